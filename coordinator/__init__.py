@@ -1,0 +1,1 @@
+"""The coordinator: the public Generate API; runs the speculative loop."""

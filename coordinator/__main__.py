@@ -1,0 +1,41 @@
+"""python -m coordinator --drafter HOST:PORT --verifier HOST:PORT --port P"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from specdec.cli_common import setup_logging
+from specdec.errors import SpecdecError
+from specdec.serving import run_until_signal
+
+from coordinator.service import CoordinatorConfig, serve
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m coordinator", description="specdec coordinator (public API)")
+    parser.add_argument("--verifier", required=True, help="verifier address HOST:PORT")
+    parser.add_argument("--drafter", help="drafter address HOST:PORT (omit for target-only serving)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="default when a request sets none")
+    parser.add_argument("--connect-timeout", type=float, default=300.0,
+                        help="seconds to wait for the drafter and verifier to be SERVING")
+    args = parser.parse_args(argv)
+    setup_logging("coordinator")
+    log = logging.getLogger("coordinator")
+    config = CoordinatorConfig(drafter=args.drafter, verifier=args.verifier, gamma=args.gamma,
+                               max_new_tokens=args.max_new_tokens, connect_timeout_s=args.connect_timeout)
+    try:
+        running, backends = serve(config, host=args.host, port=args.port)
+    except (SpecdecError, TimeoutError) as exc:
+        log.error("refusing to start: %s", exc)
+        print(f"coordinator: refusing to start: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    print(f"coordinator SERVING on {args.host}:{running.port}", flush=True)
+    run_until_signal(running, on_stop=backends.close)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Typed clients for the drafter and the verifier (proto <-> domain)."""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import grpc
+
+from specdec.errors import FailedPrecondition, RemoteError
+from specdec.proposer import Commit, Proposal, Proposer
+from specdec.sampling import SamplingConfig
+from specdec.serving import channel
+from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specdec.wire import sampling_to_proto
+
+Timeout = Callable[[], "float | None"]  # seconds left of the caller's deadline
+
+
+def _no_deadline() -> None:
+    return None
+
+
+class _ModelClient:
+    service = "model"
+
+    def __init__(self, address: str, stub_cls):
+        self.address = address
+        self.channel = channel(address)
+        self.stub = stub_cls(self.channel)
+
+    def call(self, method: str, request, timeout: float | None = None):
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise RemoteError(f"{self.service} at {self.address}", exc) from exc
+
+    def info(self, timeout: float = 10.0) -> common_pb2.ModelInfo:
+        return self.call("Info", common_pb2.InfoRequest(), timeout)
+
+    def tokenizer_files(self, timeout: float = 60.0) -> dict[str, bytes]:
+        return dict(self.call("GetTokenizer", common_pb2.GetTokenizerRequest(), timeout).files)
+
+    def end_session(self, session_id: str) -> None:
+        try:
+            self.stub.EndSession(common_pb2.EndSessionRequest(session_id=session_id), timeout=5.0)
+        except grpc.RpcError:
+            pass  # the session's TTL reaps it if this did not reach the service
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class VerifierClient(_ModelClient):
+    service = "verifier"
+
+    def __init__(self, address: str):
+        super().__init__(address, verifier_pb2_grpc.VerifierStub)
+
+    def start_session(self, session_id: str, prompt_ids: Sequence[int], timeout: float | None = None) -> None:
+        self.call("StartSession", common_pb2.StartSessionRequest(
+            session_id=session_id, prompt_token_ids=prompt_ids), timeout)
+
+    def verify(self, session_id: str, proposal: Proposal, sampling: SamplingConfig,
+               timeout: float | None = None) -> verifier_pb2.VerifyResponse:
+        return self.call("Verify", verifier_pb2.VerifyRequest(
+            session_id=session_id, draft_token_ids=proposal.token_ids,
+            draft_probs_fp16=proposal.draft_probs_fp16, sampling=sampling_to_proto(sampling)), timeout)
+
+    def decode(self, session_id: str, num_tokens: int, sampling: SamplingConfig,
+               timeout: float | None = None) -> list[int]:
+        return list(self.call("Decode", verifier_pb2.DecodeRequest(
+            session_id=session_id, num_tokens=num_tokens, sampling=sampling_to_proto(sampling)), timeout).token_ids)
+
+
+class DrafterClient(_ModelClient):
+    service = "drafter"
+
+    def __init__(self, address: str):
+        super().__init__(address, drafter_pb2_grpc.DrafterStub)
+
+
+class RemoteDraftProposer(Proposer):
+    """The drafter service as a Proposer, for one request. StartSession is sent
+    without waiting, so it overlaps the verifier's prefill; the first Propose
+    waits for it."""
+    name = "draft-model"
+
+    def __init__(self, client: DrafterClient, expected_fingerprint: str, timeout: Timeout = _no_deadline):
+        self.client = client
+        self.expected_fingerprint = expected_fingerprint
+        self._timeout = timeout
+        self._session_id: str | None = None
+        self._started: grpc.Future | None = None
+
+    def start(self, session_id: str, prompt_ids: Sequence[int]) -> None:
+        self._session_id = session_id
+        self._started = self.client.stub.StartSession.future(
+            common_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt_ids),
+            timeout=self._timeout())
+
+    def _await_start(self) -> None:
+        if self._started is None:
+            return
+        future, self._started = self._started, None
+        try:
+            reply = future.result()
+        except grpc.RpcError as exc:
+            raise RemoteError(f"drafter at {self.client.address}", exc) from exc
+        # Checked on every session, so a drafter that came back with another model is caught.
+        if reply.tokenizer_fingerprint != self.expected_fingerprint:
+            raise FailedPrecondition(
+                f"drafter at {self.client.address} now has tokenizer {reply.tokenizer_fingerprint[:19]}..., "
+                f"not the target's {self.expected_fingerprint[:19]}...; restart the coordinator to see the "
+                "first difference")
+
+    def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None) -> Proposal:
+        self._await_start()
+        request = drafter_pb2.ProposeRequest(session_id=self._session_id, num_tokens=num_tokens,
+                                             sampling=sampling_to_proto(sampling))
+        if commit is not None:
+            request.commit.num_accepted = commit.num_accepted
+            request.commit.target_token_ids.extend(commit.target_token_ids)
+        start = time.perf_counter()
+        reply = self.client.call("Propose", request, self._timeout())
+        return Proposal(tuple(reply.draft_token_ids), reply.draft_probs_fp16, reply.vocab_size,
+                        elapsed_ms=(time.perf_counter() - start) * 1e3)
+
+    def end(self) -> None:
+        if self._session_id is None:
+            return
+        if self._started is not None:
+            try:
+                self._started.result()
+            except grpc.RpcError:
+                pass
+        self.client.end_session(self._session_id)
+        self._session_id = None

@@ -1,0 +1,159 @@
+"""The speculative loop, and the stats it keeps.
+
+One round: the proposer drafts gamma tokens (the previous round's commit rides
+along), the verifier scores them in one target forward pass and runs the
+rejection sampler, and the accepted drafts plus the target's recovered or bonus
+token are the round's output. With speculation off, the verifier decodes alone.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from specdec.proposer import Commit, Proposal, Proposer
+from specdec.sampling import SamplingConfig
+from specdec import telemetry
+
+from coordinator.clients import VerifierClient
+from coordinator.output import Delta, OutputAccumulator
+
+DECODE_CHUNK = 16  # target-only tokens per Decode call (one streamed message each)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingConfig
+    gamma: int                      # 0 = target-only decoding
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    gamma: int = 0
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_at: list[int] = field(default_factory=list)   # [position] rounds that drafted this far
+    accepted_at: list[int] = field(default_factory=list)  # [position] ... and had it accepted
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    total_ms: float = 0.0
+    output_tokens: int = 0
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        grow = drafted - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for position in range(drafted):
+            self.drafted_at[position] += 1
+            self.accepted_at[position] += position < accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def overhead_ms(self) -> float:
+        return max(0.0, self.total_ms - self.draft_ms - self.verify_ms)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / (self.total_ms / 1e3) if self.total_ms else 0.0
+
+
+@dataclass
+class Update:
+    delta: Delta
+    stats: Stats
+
+
+class SpeculativeEngine:
+    def __init__(self, verifier: VerifierClient, tokenizer, eos_token_ids: tuple[int, ...]):
+        self.verifier = verifier
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    def generate(self, request: GenerationRequest, proposer: Proposer | None,
+                 timeout: Callable[[], float | None] = lambda: None) -> Iterator[Update]:
+        """Yields one Update per round; the last one has delta.finish_reason set.
+        Both sessions are ended however the generator is left (done, error, cancel)."""
+        session_id = uuid.uuid4().hex
+        stats = Stats(prompt_tokens=len(request.prompt_ids), gamma=request.gamma if proposer else 0)
+        output = OutputAccumulator(self.tokenizer, self.eos_token_ids, request.max_new_tokens, request.stop)
+        started = time.perf_counter()
+        try:
+            if proposer is not None:
+                proposer.start(session_id, request.prompt_ids)
+            self.verifier.start_session(session_id, request.prompt_ids, timeout())
+            rounds = (self._speculative_rounds(session_id, request, proposer, stats, output, timeout)
+                      if proposer is not None else self._target_only_rounds(session_id, request, stats, output, timeout))
+            for new_tokens in rounds:
+                delta = output.add(new_tokens)
+                stats.output_tokens = len(output.token_ids)
+                stats.total_ms = (time.perf_counter() - started) * 1e3
+                yield Update(delta, stats)
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            if proposer is not None:
+                proposer.end()
+            self.verifier.end_session(session_id)
+
+    def _speculative_rounds(self, session_id: str, request: GenerationRequest, proposer: Proposer, stats: Stats,
+                            output: OutputAccumulator, timeout) -> Iterator[list[int]]:
+        commit: Commit | None = None  # what the proposer has not yet been told
+        while True:
+            with telemetry.tracer.start_as_current_span("round") as span:
+                # 1. The verifier always adds one token, so draft at most remaining - 1.
+                remaining = request.max_new_tokens - len(output.token_ids)
+                gamma = max(0, min(request.gamma, remaining - 1))
+                # 2. Propose gamma tokens; the previous round's commit rides on the call.
+                proposal = Proposal(())
+                if gamma > 0:
+                    proposal = proposer.propose(gamma, request.sampling, commit)
+                    stats.draft_ms += proposal.elapsed_ms
+                    commit = None
+                # 3. Verify: one target forward pass over the draft, then the rejection sampler.
+                started = time.perf_counter()
+                verdict = self.verifier.verify(session_id, proposal, request.sampling, timeout())
+                stats.verify_ms += (time.perf_counter() - started) * 1e3
+                # 4. The round's tokens: accepted drafts, then the recovered or bonus token.
+                accepted = list(proposal.token_ids[: verdict.num_accepted])
+                new_tokens = accepted + [verdict.next_token_id]
+                # 5. Remember what the proposer must commit next time it is called.
+                if commit is None:
+                    commit = Commit(verdict.num_accepted, (verdict.next_token_id,))
+                else:  # no proposal this round: the target tokens pile up
+                    commit = Commit(commit.num_accepted, commit.target_token_ids + (verdict.next_token_id,))
+                stats.record_round(gamma, verdict.num_accepted)
+                span.set_attributes({"specdec.round.index": stats.rounds - 1, "specdec.gamma": gamma,
+                                     "specdec.draft_tokens": gamma, "specdec.accepted_tokens": verdict.num_accepted,
+                                     "specdec.bonus": verdict.bonus})
+            yield new_tokens
+
+    def _target_only_rounds(self, session_id: str, request: GenerationRequest, stats: Stats,
+                            output: OutputAccumulator, timeout) -> Iterator[list[int]]:
+        while True:
+            remaining = request.max_new_tokens - len(output.token_ids)
+            started = time.perf_counter()
+            tokens = self.verifier.decode(session_id, min(DECODE_CHUNK, remaining), request.sampling, timeout())
+            stats.verify_ms += (time.perf_counter() - started) * 1e3
+            stats.record_round(0, 0)
+            yield tokens

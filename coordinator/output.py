@@ -1,0 +1,82 @@
+"""Turning each round's new tokens into output: EOS, length and stop strings,
+and text deltas that never split a UTF-8 character or half-show a stop string."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+
+class FinishReason(enum.IntEnum):  # values match specdec.v1.FinishReason
+    LENGTH = 1
+    STOP = 2
+    EOS = 3
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+
+
+class OutputAccumulator:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Sequence[int], max_new_tokens: int,
+                 stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.eos = frozenset(eos_token_ids)
+        self.max_new_tokens = max_new_tokens
+        self.stop = tuple(stop)
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: FinishReason | None = None
+        self._sent_tokens = 0
+        self._sent_chars = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, new_ids: Sequence[int]) -> Delta:
+        assert self.finish_reason is None, "generation already finished"
+        before = len(self.token_ids)
+        for token in new_ids:
+            if token in self.eos:                   # EOS ends it and is not part of the output
+                self.finish_reason = FinishReason.EOS
+                break
+            self.token_ids.append(int(token))
+            if len(self.token_ids) >= self.max_new_tokens:
+                self.finish_reason = FinishReason.LENGTH
+                break
+        self.text = self._decode(self.token_ids)
+        if self.stop:
+            self._apply_stop(before)
+        return self._delta()
+
+    def _apply_stop(self, first_new: int) -> None:
+        search_from = max(0, self._sent_chars - self.holdback)
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        if not hits:
+            return
+        index, _ = min(hits)
+        # Keep the fewest tokens whose text already contains the stop string.
+        for k in range(first_new + 1, len(self.token_ids) + 1):
+            if any(s in self._decode(self.token_ids[:k]) for _, s in hits):
+                del self.token_ids[k:]
+                break
+        self.text = self.text[:index]
+        self.finish_reason = FinishReason.STOP
+
+    def _delta(self) -> Delta:
+        if self.finish_reason is not None:
+            safe = len(self.text)
+        else:
+            safe = len(self.text) - self.holdback
+            while safe > 0 and self.text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                safe -= 1
+        safe = max(safe, self._sent_chars)
+        delta = Delta(self.token_ids[self._sent_tokens :], self.text[self._sent_chars : safe], self.finish_reason)
+        self._sent_tokens, self._sent_chars = len(self.token_ids), safe
+        return delta

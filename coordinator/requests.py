@@ -1,0 +1,95 @@
+"""GenerateRequest (proto) -> GenerationRequest (domain), validated with
+messages a person can act on, and stats/deltas back to proto."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.errors import InvalidArgument
+from specdec.model_service import validate_token_ids
+from specdec.v1 import coordinator_pb2
+from specdec.wire import sampling_from_proto
+
+from coordinator.engine import GenerationRequest, Stats, Update
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_context: int          # the target's
+    default_max_new_tokens: int
+    default_gamma: int
+    max_gamma: int
+
+
+def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer, vocab_size: int) -> list[int]:
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise InvalidArgument("set one of prompt, messages or token_ids")
+    if kind == "prompt":
+        if not request.prompt:
+            raise InvalidArgument("prompt is empty")
+        ids = tokenizer.encode(request.prompt)
+    elif kind == "messages":
+        messages = request.messages.messages
+        if not messages:
+            raise InvalidArgument("messages is empty")
+        for i, m in enumerate(messages):
+            if m.role not in CHAT_ROLES:
+                raise InvalidArgument(f"messages[{i}].role is {m.role!r}; expected one of {', '.join(CHAT_ROLES)}")
+        if tokenizer.chat_template is None:
+            raise InvalidArgument("the target model's tokenizer has no chat template; send prompt or token_ids")
+        text = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                             tokenize=False, add_generation_prompt=True)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise InvalidArgument("token_ids is empty")
+        validate_token_ids(ids, vocab_size, "token_ids")
+    if not ids:
+        raise InvalidArgument("the prompt tokenizes to no tokens")
+    return ids
+
+
+def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limits,
+              speculation_available: bool) -> GenerationRequest:
+    sampling = sampling_from_proto(request.sampling)
+    ids = prompt_ids(request, tokenizer, limits.vocab_size)
+    max_new = request.max_new_tokens if request.HasField("max_new_tokens") else limits.default_max_new_tokens
+    if max_new <= 0:
+        raise InvalidArgument(f"max_new_tokens must be > 0, got {max_new}")
+    if len(ids) + max_new > limits.max_context:
+        raise InvalidArgument(
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the target's context window "
+            f"({limits.max_context}); shorten the prompt or lower max_new_tokens")
+    stop = tuple(request.stop)
+    if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+        raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of up to "
+                              f"{MAX_STOP_CHARS} characters")
+    gamma = request.speculation.gamma or limits.default_gamma
+    if gamma > limits.max_gamma:
+        raise InvalidArgument(f"speculation.gamma={gamma} is over the drafter's limit of {limits.max_gamma}")
+    if request.speculation.disabled or not speculation_available:
+        gamma = 0
+    return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop)
+
+
+def stats_to_proto(stats: Stats) -> coordinator_pb2.GenerationStats:
+    return coordinator_pb2.GenerationStats(
+        rounds=stats.rounds, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
+        acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length,
+        acceptance_by_position=stats.acceptance_by_position, draft_ms=stats.draft_ms, verify_ms=stats.verify_ms,
+        overhead_ms=stats.overhead_ms, total_ms=stats.total_ms, tokens_per_second=stats.tokens_per_second,
+        prompt_tokens=stats.prompt_tokens, gamma=stats.gamma)
+
+
+def update_to_proto(update: Update, with_stats: bool) -> coordinator_pb2.GenerateResponse:
+    response = coordinator_pb2.GenerateResponse(text=update.delta.text, token_ids=update.delta.token_ids)
+    if with_stats and update.delta.finish_reason is not None:
+        response.finish_reason = int(update.delta.finish_reason)
+        response.stats.CopyFrom(stats_to_proto(update.stats))
+    return response

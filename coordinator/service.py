@@ -1,0 +1,115 @@
+"""The Coordinator servicer, and its start-up: connect to both model services,
+refuse to run unless their tokenizers are identical, then serve."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from specdec.errors import FailedPrecondition
+from specdec.serving import RunningServer, start_server, wait_until_serving
+from specdec.tokenizer_fingerprint import describe, first_difference, load_tokenizer_files, tokenizer_fingerprint
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+from coordinator.clients import DrafterClient, RemoteDraftProposer, VerifierClient
+from coordinator.engine import SpeculativeEngine
+from coordinator.requests import Limits, to_domain, update_to_proto
+
+log = logging.getLogger("coordinator")
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+class TokenizerMismatch(FailedPrecondition):
+    pass
+
+
+@dataclass
+class CoordinatorConfig:
+    drafter: str | None             # address; None = target-only service
+    verifier: str
+    gamma: int = 4
+    max_new_tokens: int = 128
+    connect_timeout_s: float = 300.0
+
+
+class Backends:
+    """The two model services, checked to be compatible."""
+
+    def __init__(self, config: CoordinatorConfig):
+        self.verifier = VerifierClient(config.verifier)
+        self.drafter = DrafterClient(config.drafter) if config.drafter else None
+        for client in filter(None, (self.verifier, self.drafter)):
+            wait_until_serving(client.address, config.connect_timeout_s)
+        self.target_info = self.verifier.info()
+        self.tokenizer = load_tokenizer_files(self.verifier.tokenizer_files())
+        if tokenizer_fingerprint(self.tokenizer) != self.target_info.tokenizer_fingerprint:
+            raise FailedPrecondition("the verifier's tokenizer changed in transfer: fingerprints differ")
+        self.draft_info = self.drafter.info() if self.drafter else None
+        if self.draft_info is not None:
+            self.check_tokenizers()
+
+    def check_tokenizers(self) -> None:
+        if self.draft_info.tokenizer_fingerprint == self.target_info.tokenizer_fingerprint:
+            return
+        draft_tokenizer = load_tokenizer_files(self.drafter.tokenizer_files())
+        difference = first_difference(describe(draft_tokenizer), describe(self.tokenizer)) or (
+            "fingerprints differ but no field does (different tokenizer library versions?)")
+        raise TokenizerMismatch(
+            f"draft ({self.draft_info.model}) and target ({self.target_info.model}) tokenizers differ: {difference}. "
+            "Speculative decoding needs identical tokenizers; pick a draft model from the target's family.")
+
+    def close(self) -> None:
+        for client in filter(None, (self.verifier, self.drafter)):
+            client.close()
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, backends: Backends, config: CoordinatorConfig):
+        self.backends = backends
+        target, draft = backends.target_info, backends.draft_info
+        self.limits = Limits(
+            vocab_size=target.vocab_size, max_context=target.max_context,
+            default_max_new_tokens=config.max_new_tokens, default_gamma=config.gamma,
+            max_gamma=draft.max_propose_tokens if draft else 0)
+        self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids))
+
+    def _updates(self, request, context):
+        domain = to_domain(request, self.backends.tokenizer, self.limits, self.backends.drafter is not None)
+        def timeout() -> float | None:
+            remaining = context.time_remaining()
+            if remaining is None or remaining > 1e6:  # no deadline set by the client
+                return None
+            return remaining
+        proposer = (RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint,
+                                        timeout) if domain.gamma > 0 else None)
+        return self.engine.generate(domain, proposer, timeout)
+
+    def Generate(self, request, context) -> coordinator_pb2.GenerateResponse:
+        text, token_ids, last = [], [], None
+        for update in self._updates(request, context):
+            text.append(update.delta.text)
+            token_ids += update.delta.token_ids
+            last = update
+        response = update_to_proto(last, with_stats=True)
+        response.text, response.token_ids[:] = "".join(text), token_ids
+        return response
+
+    def GenerateStream(self, request, context):
+        for update in self._updates(request, context):
+            if update.delta.text or update.delta.token_ids:
+                yield update_to_proto(update, with_stats=False)
+            if update.delta.finish_reason is not None:
+                yield coordinator_pb2.GenerateResponse(
+                    finish_reason=int(update.delta.finish_reason),
+                    stats=update_to_proto(update, with_stats=True).stats)
+
+
+def serve(config: CoordinatorConfig, host: str = "127.0.0.1", port: int = 0) -> tuple[RunningServer, Backends]:
+    """Connect and check the backends (raises TokenizerMismatch), then serve."""
+    backends = Backends(config)
+    servicer = CoordinatorServicer(backends, config)
+    running = start_server(lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
+                           [SERVICE_NAME], host=host, port=port)
+    running.set_serving(True)
+    return running, backends

@@ -1,0 +1,1 @@
+"""The drafter service: a small (INT8) model that proposes tokens per session."""

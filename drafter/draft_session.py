@@ -1,0 +1,65 @@
+"""One session of the draft model: apply the last round's commit, then draft."""
+from __future__ import annotations
+
+import torch
+
+from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.kv_cache import SequenceCache
+from specdec.models import LoadedModel
+from specdec.proposer import Commit
+from specdec.sampling import SamplingConfig, make_generator, scores_to_probs, transform_logits
+from specdec.wire import round_probs_for_wire
+
+
+class DraftSession:
+    def __init__(self, loaded: LoadedModel, prompt_ids: list[int]):
+        self.loaded = loaded
+        self.seq = SequenceCache(loaded, prompt_ids)
+        self.seq.prefill()
+        self.round_base = len(self.seq)  # tokens before the last proposal
+        self.round_drafted = 0           # tokens drafted in it, not yet committed
+        self.generator: torch.Generator | None = None
+
+    def commit(self, commit: Commit | None) -> None:
+        if commit is None:
+            if self.round_drafted:
+                raise FailedPrecondition(
+                    "Propose needs the commit of the previous round (num_accepted, target_token_ids)")
+            return
+        if commit.num_accepted > self.round_drafted:
+            raise InvalidArgument(
+                f"commit.num_accepted={commit.num_accepted} but only {self.round_drafted} tokens were drafted")
+        # KV rollback: drop the rejected drafts. After a fully accepted round the
+        # last draft was never fed, so it stays in `tokens` and is fed next forward.
+        self.seq.truncate(self.round_base + commit.num_accepted)
+        self.seq.append(commit.target_token_ids)
+        self.round_base, self.round_drafted = len(self.seq), 0
+
+    def propose(self, num_tokens: int, sampling: SamplingConfig) -> tuple[list[int], torch.Tensor | None]:
+        """Draft `num_tokens` tokens -> (ids [n], draft_probs [n, vocab] or None when greedy).
+
+        The probabilities returned are exactly those each token was sampled from
+        (fp16-rounded, see specdec.wire), as the rejection sampler requires."""
+        if len(self.seq) + num_tokens > self.loaded.max_context:
+            raise InvalidArgument(
+                f"drafting {num_tokens} tokens at position {len(self.seq)} exceeds the draft model's "
+                f"context window ({self.loaded.max_context})")
+        if self.generator is None and not sampling.greedy:
+            self.generator = make_generator(sampling, "drafter", self.loaded.device)
+        self.round_base = len(self.seq)
+        draft_ids: list[int] = []
+        draft_probs: list[torch.Tensor] = []
+        for i in range(num_tokens):
+            logits = self.seq.forward(draft_ids[-1:] if i else [], keep_last=1)          # [1, model_vocab]
+            scores = transform_logits(logits, self.seq.tokens, [], sampling, self.loaded.vocab_size)
+            if sampling.greedy:
+                draft_ids.append(int(scores[0].argmax()))
+            else:
+                probs = scores_to_probs(scores)                                            # [1, vocab]
+                draft_probs.append(probs[0])
+                sent = round_probs_for_wire(probs)
+                draft_ids.append(int(torch.multinomial(sent[0], 1, generator=self.generator)))
+        # The last draft is not fed yet: next round feeds it only if it was accepted.
+        self.seq.append(draft_ids[-1:])
+        self.round_drafted = num_tokens
+        return draft_ids, (torch.stack(draft_probs) if draft_probs else None)

@@ -1,0 +1,37 @@
+"""The Drafter gRPC servicer: proto -> domain -> proto, nothing more."""
+from __future__ import annotations
+
+import logging
+
+from specdec.errors import InvalidArgument
+from specdec.model_service import MAX_PROPOSE_TOKENS, ModelServiceBase, serve_model
+from specdec.models import LoadedModel
+from specdec.proposer import Commit
+from specdec.serving import RunningServer
+from specdec.v1 import drafter_pb2, drafter_pb2_grpc
+from specdec.wire import encode_probs, sampling_from_proto
+
+from drafter.draft_session import DraftSession
+
+log = logging.getLogger("drafter")
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+
+
+class DrafterServicer(ModelServiceBase[DraftSession], drafter_pb2_grpc.DrafterServicer):
+    def Propose(self, request, context) -> drafter_pb2.ProposeResponse:
+        if request.num_tokens > MAX_PROPOSE_TOKENS:
+            raise InvalidArgument(f"num_tokens={request.num_tokens} is over the limit of {MAX_PROPOSE_TOKENS}")
+        sampling = sampling_from_proto(request.sampling)
+        commit = (Commit(request.commit.num_accepted, tuple(request.commit.target_token_ids))
+                  if request.HasField("commit") else None)
+        with self.sessions.use(request.session_id) as session:
+            session.commit(commit)
+            ids, probs = session.propose(request.num_tokens, sampling)
+        return drafter_pb2.ProposeResponse(
+            draft_token_ids=ids, vocab_size=self.loaded.vocab_size,
+            draft_probs_fp16=encode_probs(probs) if probs is not None else b"")
+
+
+def serve(loaded: LoadedModel, **kwargs) -> RunningServer:
+    return serve_model(DrafterServicer, DraftSession, drafter_pb2_grpc.add_DrafterServicer_to_server, SERVICE_NAME,
+                       loaded, **kwargs)

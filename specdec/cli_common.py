@@ -1,0 +1,48 @@
+"""Command-line plumbing shared by `python -m drafter` and `python -m verifier`."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Callable
+
+import torch
+
+from specdec.errors import SpecdecError
+from specdec.models import LoadedModel, load_model
+from specdec.serving import RunningServer, run_until_signal
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+
+
+def add_model_args(parser: argparse.ArgumentParser, default_quantize: str) -> None:
+    parser.add_argument("--model", required=True, help="HF model directory, .gguf file, or registry name")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback, sidecar mode)")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--quantize", default=default_quantize, choices=["none", "int8"])
+    parser.add_argument("--session-ttl", type=float, default=600.0, help="seconds before an idle session is reaped")
+    parser.add_argument("--max-sessions", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+
+
+def run_model_service(name: str, args: argparse.Namespace,
+                      serve: Callable[..., RunningServer]) -> None:
+    setup_logging(name)
+    log = logging.getLogger(name)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        loaded: LoadedModel = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
+        running = serve(loaded, host=args.host, port=args.port, session_ttl_s=args.session_ttl,
+                        max_sessions=args.max_sessions)
+    except SpecdecError as exc:
+        log.error("%s", exc)
+        sys.exit(2)
+    # One parseable line, for `specdec up` and for people.
+    print(f"{name} SERVING on {args.host}:{running.port} model={loaded.name}", flush=True)
+    run_until_signal(running)

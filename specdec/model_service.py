@@ -1,0 +1,77 @@
+"""What the drafter and the verifier servicers share: Info, GetTokenizer, and the
+session lifecycle around a store with a TTL. Each service adds its own calls."""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Generic, Sequence, TypeVar
+
+from specdec.errors import InvalidArgument
+from specdec.models import LoadedModel, warm_up
+from specdec.serving import RunningServer, start_server
+from specdec.sessions import SessionStore
+from specdec.tokenizer_fingerprint import tokenizer_files
+from specdec.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+S = TypeVar("S")
+MAX_PROPOSE_TOKENS = 32
+
+
+def validate_token_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"{what} contains token id {bad}, outside the vocabulary (0..{vocab_size - 1})")
+
+
+class ModelServiceBase(Generic[S]):
+    """Mixin for a servicer holding one model and its sessions."""
+
+    def __init__(self, loaded: LoadedModel, new_session: Callable[[LoadedModel, list[int]], S],
+                 store: SessionStore[S]):
+        self.loaded = loaded
+        self.sessions = store
+        self._new_session = new_session
+        self._tokenizer_files: dict[str, bytes] | None = None
+
+    def Info(self, request, context) -> common_pb2.ModelInfo:
+        m = self.loaded
+        return common_pb2.ModelInfo(
+            model=m.name, dtype=m.dtype, device=str(m.device), quantization=m.quantization,
+            vocab_size=m.vocab_size, model_vocab_size=m.model_vocab_size, max_context=m.max_context,
+            eos_token_ids=list(m.eos_token_ids), tokenizer_fingerprint=m.fingerprint,
+            active_sessions=len(self.sessions), max_propose_tokens=MAX_PROPOSE_TOKENS)
+
+    def GetTokenizer(self, request, context) -> common_pb2.TokenizerFiles:
+        if self._tokenizer_files is None:
+            self._tokenizer_files = tokenizer_files(self.loaded.tokenizer)
+        return common_pb2.TokenizerFiles(files=self._tokenizer_files)
+
+    def StartSession(self, request, context) -> common_pb2.StartSessionResponse:
+        prompt = list(request.prompt_token_ids)
+        if not prompt:
+            raise InvalidArgument("prompt_token_ids is empty: a session needs at least one token")
+        if len(prompt) >= self.loaded.max_context:
+            raise InvalidArgument(
+                f"prompt has {len(prompt)} tokens; the context window of {self.loaded.name} is "
+                f"{self.loaded.max_context}, leaving no room to generate")
+        validate_token_ids(prompt, self.loaded.vocab_size, "prompt_token_ids")
+        session = self.sessions.create(request.session_id, lambda: self._new_session(self.loaded, prompt))
+        return common_pb2.StartSessionResponse(
+            session_id=request.session_id, cached_tokens=session.seq.cached,
+            tokenizer_fingerprint=self.loaded.fingerprint)
+
+    def EndSession(self, request, context) -> common_pb2.EndSessionResponse:
+        return common_pb2.EndSessionResponse(existed=self.sessions.remove(request.session_id))
+
+
+def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, service_name: str,
+                loaded: LoadedModel, host: str = "127.0.0.1", port: int = 0, session_ttl_s: float = 600.0,
+                max_sessions: int = 256) -> RunningServer:
+    """Start a model service; it reports SERVING only once the model is warm."""
+    store = SessionStore(ttl_s=session_ttl_s, max_sessions=max_sessions)
+    store.start_reaper()
+    servicer = servicer_cls(loaded, session_cls, store)
+    running = start_server(lambda server: add_to_server(servicer, server), [service_name], host=host, port=port)
+    warm_up(loaded)
+    running.set_serving(True)
+    return running

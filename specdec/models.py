@@ -1,0 +1,126 @@
+"""Model loading: an HF directory, a GGUF file, or a registry name.
+
+No machine here reaches a model hub, so nothing is ever loaded by hub id: a
+name that is neither a local path nor a registry entry is refused with a
+message saying what is accepted.
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specdec import tiny
+from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.tokenizer_fingerprint import tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Pair:
+    draft: str
+    target: str
+    draft_quantize: str = "none"
+    draft_dtype: str = "fp32"
+    target_dtype: str = "fp32"
+
+
+PAIRS: dict[str, Pair] = {
+    "tiny": Pair(draft="tiny-draft", target="tiny-target"),
+    "tiny-mismatch": Pair(draft="tiny-mismatch-draft", target="tiny-target"),
+}
+DEFAULT_PAIR = "tiny"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference, and the facts the services report about it."""
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    dtype: str
+    device: torch.device
+    quantization: str
+    vocab_size: int            # tokenizer ids; logits beyond are masked
+    model_vocab_size: int      # embedding rows (may be padded)
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    fingerprint: str
+    # One forward at a time per model: CPU forwards from several threads only
+    # fight over the same cores, and it keeps per-session caches simple.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        ids += value if isinstance(value, list) else [value] if value is not None else []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(sorted(set(int(i) for i in ids)))
+
+
+def quantize_int8(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
+    """INT8 weights, dynamic INT8 activations for every nn.Linear (CPU)."""
+    if device.type != "cpu":
+        raise FailedPrecondition("--quantize int8 is implemented for --device cpu only so far")
+    return torch.ao.quantization.quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def _load_weights(name: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    if name in tiny.TINY_NAMES:
+        model, tokenizer = tiny.build(name)
+        return model.to(torch_dtype), tokenizer
+    path = pathlib.Path(name).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return (AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True),
+                AutoTokenizer.from_pretrained(path, local_files_only=True))
+    if path.is_file() and path.suffix == ".gguf":
+        kwargs = dict(gguf_file=path.name, local_files_only=True)
+        return (AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch_dtype, **kwargs),
+                AutoTokenizer.from_pretrained(path.parent, **kwargs))
+    raise InvalidArgument(
+        f"cannot load model {name!r}: expected an HF model directory (with config.json), a .gguf file, "
+        f"or a registry name ({', '.join(tiny.TINY_NAMES)}); models are never fetched from a hub")
+
+
+def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize: str = "none") -> LoadedModel:
+    if dtype not in DTYPES:
+        raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if quantize not in ("none", "int8"):
+        raise InvalidArgument(f"quantize must be 'none' or 'int8', got {quantize!r}")
+    torch_device = torch.device(device)
+    model, tokenizer = _load_weights(name, DTYPES[dtype])
+    model = model.to(torch_device).eval()
+    if quantize == "int8":
+        model = quantize_int8(model, torch_device)
+        dtype = "fp32+int8"
+    vocab = tokenizer.get_vocab()
+    vocab_size = max(vocab.values()) + 1
+    model_vocab = int(model.get_output_embeddings().weight.shape[0]) if quantize == "none" else int(
+        model.config.vocab_size)
+    if vocab_size > model_vocab:
+        raise FailedPrecondition(
+            f"{name}: tokenizer has {vocab_size} ids but the model only {model_vocab} output rows")
+    loaded = LoadedModel(
+        name=name, model=model, tokenizer=tokenizer, dtype=dtype, device=torch_device, quantization=quantize,
+        vocab_size=vocab_size, model_vocab_size=model_vocab,
+        max_context=int(getattr(model.config, "max_position_embeddings", 2048)),
+        eos_token_ids=_eos_ids(model, tokenizer), fingerprint=tokenizer_fingerprint(tokenizer))
+    log.info("loaded %s (%s, %s, quantize=%s, vocab %d/%d)", name, dtype, device, quantize, vocab_size, model_vocab)
+    return loaded
+
+
+def warm_up(loaded: LoadedModel) -> None:
+    """One short forward so the first request does not pay for lazy init."""
+    from specdec.kv_cache import SequenceCache
+    ids = loaded.tokenizer.encode("warm up", add_special_tokens=False) or [0]
+    SequenceCache(loaded, ids).forward([], keep_last=1)

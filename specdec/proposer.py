@@ -1,0 +1,47 @@
+"""Candidate generation behind one small interface.
+
+The coordinator's loop only sees a `Proposer`: the remote drafter model is one,
+and a prompt-lookup n-gram proposer is another (specdec.ngram). The verifier
+never knows which produced a draft; it only needs the drafted ids and the
+distributions they were sampled from.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from specdec.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The outcome of the previous round, as the proposer must learn it."""
+    num_accepted: int                          # drafted tokens the verifier kept
+    target_token_ids: tuple[int, ...] = ()     # recovered/bonus token, and any target-only tokens since
+
+
+@dataclass(frozen=True)
+class Proposal:
+    token_ids: tuple[int, ...]                 # [n]
+    # [n, vocab] float16 little-endian bytes when temperature > 0: the exact
+    # distributions the tokens were sampled from (see specdec.wire).
+    draft_probs_fp16: bytes = b""
+    vocab_size: int = 0
+    elapsed_ms: float = field(default=0.0, compare=False)
+
+
+class Proposer(abc.ABC):
+    """Proposes draft tokens for one generation (one session)."""
+
+    name: str = "proposer"
+
+    @abc.abstractmethod
+    def start(self, session_id: str, prompt_ids: Sequence[int]) -> None: ...
+
+    @abc.abstractmethod
+    def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None) -> Proposal:
+        """Apply `commit` (absent on the first call), then propose `num_tokens` tokens."""
+
+    @abc.abstractmethod
+    def end(self) -> None: ...

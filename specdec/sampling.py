@@ -1,0 +1,107 @@
+"""The one sampling config and the one transform both sides apply.
+
+The proposer and the scorer must turn logits into probabilities identically
+(same temperature, top-k, top-p and repetition penalty over the same history),
+or the rejection sampler's output is no longer the target's distribution. So
+there is exactly one transform, `transform_logits`, built from transformers'
+own logits processors, and both services call it.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from specdec.errors import InvalidArgument
+
+MAX_TOP_K = 1 << 20
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0          # 0 = greedy
+    top_k: int = 0                    # 0 = off
+    top_p: float = 1.0                # 1 = off
+    repetition_penalty: float = 1.0   # 1 = off
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingConfig":
+        """Raise InvalidArgument with a message a person can act on."""
+        t, p, k, r = self.temperature, self.top_p, self.top_k, self.repetition_penalty
+        if not math.isfinite(t) or t < 0:
+            raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
+        if not math.isfinite(p) or not 0.0 < p <= 1.0:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {p}")
+        if k < 0 or k > MAX_TOP_K:
+            raise InvalidArgument(f"top_k must be between 0 (off) and {MAX_TOP_K}, got {k}")
+        if not math.isfinite(r) or r <= 0:
+            raise InvalidArgument(f"repetition_penalty must be a finite number > 0 (1 = off), got {r}")
+        return self
+
+
+# Distinct streams per role, derived from the one request seed.
+SEED_SALT = {"drafter": 0x5EED_D4AF, "verifier": 0x5EED_7E21}
+
+
+def make_generator(config: SamplingConfig, role: str, device: torch.device | str = "cpu") -> torch.Generator:
+    seed = config.seed if config.seed is not None else secrets.randbits(63)
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed ^ SEED_SALT[role]) & ((1 << 63) - 1))
+    return generator
+
+
+def _processors(config: SamplingConfig) -> LogitsProcessorList:
+    # Same order as transformers' generate(): processors, then warpers.
+    steps = LogitsProcessorList()
+    if config.repetition_penalty != 1.0:
+        steps.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
+    if not config.greedy:
+        if config.temperature != 1.0:
+            steps.append(TemperatureLogitsWarper(config.temperature))
+        if config.top_k > 0:
+            steps.append(TopKLogitsWarper(config.top_k))
+        if config.top_p < 1.0:
+            steps.append(TopPLogitsWarper(config.top_p))
+    return steps
+
+
+def transform_logits(
+    logits: torch.Tensor,             # [N, model_vocab] raw logits, row i scores position i
+    history: Sequence[int],           # token ids before row 0 (prompt + generated)
+    row_tokens: Sequence[int],        # [N-1 or N] token at each row (row i+1 sees row_tokens[:i+1])
+    config: SamplingConfig,
+    vocab_size: int,                  # tokenizer vocabulary; padded ids beyond it are masked
+) -> torch.Tensor:                    # [N, vocab_size] float32 scores (-inf where removed)
+    n = logits.shape[0]
+    assert logits.dim() == 2 and len(row_tokens) >= n - 1, (logits.shape, len(row_tokens))
+    scores = logits[:, :vocab_size].float()
+    steps = _processors(config)
+    if not steps:
+        return scores
+    out = torch.empty_like(scores)
+    prefix = list(history)
+    for i in range(n):
+        ids = torch.tensor([prefix], dtype=torch.long, device=scores.device)
+        out[i] = steps(ids, scores[i : i + 1].clone())[0]
+        if i < len(row_tokens):
+            prefix.append(int(row_tokens[i]))
+    return out
+
+
+def scores_to_probs(scores: torch.Tensor) -> torch.Tensor:
+    """[N, V] transformed scores -> [N, V] float32 probabilities."""
+    return torch.softmax(scores, dim=-1)

@@ -1,0 +1,1 @@
+"""The verifier service: the target model; scores drafts and runs the rejection sampler."""

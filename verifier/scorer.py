@@ -1,0 +1,70 @@
+"""One session of the target model: score a draft in one forward pass, run the
+rejection sampler, roll the KV cache back to what was accepted."""
+from __future__ import annotations
+
+import torch
+
+from specdec.errors import InvalidArgument
+from specdec.kv_cache import SequenceCache
+from specdec.models import LoadedModel
+from specdec.rejection import RejectionOutput, greedy_accept, rejection_sample
+from specdec.sampling import SamplingConfig, make_generator, scores_to_probs, transform_logits
+
+
+class TargetSession:
+    def __init__(self, loaded: LoadedModel, prompt_ids: list[int]):
+        self.loaded = loaded
+        self.seq = SequenceCache(loaded, prompt_ids)
+        self.seq.prefill()
+        self.generator: torch.Generator | None = None
+
+    def _generator(self, sampling: SamplingConfig) -> torch.Generator:
+        if self.generator is None:
+            self.generator = make_generator(sampling, "verifier", self.loaded.device)
+        return self.generator
+
+    def _check_room(self, new_tokens: int) -> None:
+        if len(self.seq) + new_tokens > self.loaded.max_context:
+            raise InvalidArgument(
+                f"{new_tokens} more tokens at position {len(self.seq)} exceed the target's context window "
+                f"({self.loaded.max_context})")
+
+    def verify(self, draft_token_ids: list[int], draft_probs: torch.Tensor | None,
+               sampling: SamplingConfig) -> RejectionOutput:
+        gamma = len(draft_token_ids)
+        self._check_room(gamma + 1)
+        base = len(self.seq)
+        # 1. Score: one forward over the uncached token(s) and the draft.
+        logits = self.seq.forward(draft_token_ids, keep_last=gamma + 1)                 # [gamma+1, model_vocab]
+        # 2. The same transform as the drafter, row i seeing the history up to draft i.
+        scores = transform_logits(logits, self.seq.tokens[:base], draft_token_ids, sampling,
+                                  self.loaded.vocab_size)                               # [gamma+1, vocab]
+        draft = torch.tensor(draft_token_ids, dtype=torch.long, device=scores.device)
+        # 3. Accept / reject.
+        if sampling.greedy:
+            out = greedy_accept(draft, scores.argmax(dim=-1))
+        else:
+            assert draft_probs is not None
+            out = rejection_sample(draft, draft_probs.to(scores.device), scores_to_probs(scores),
+                                   self._generator(sampling))
+        # 4. Roll back to the accepted prefix; the recovered/bonus token is fed next round.
+        self.seq.truncate(base + out.num_accepted)
+        self.seq.append([out.next_token_id])
+        return out
+
+    def decode(self, num_tokens: int, sampling: SamplingConfig) -> list[int]:
+        """Plain target-only decoding; stops after an EOS token."""
+        self._check_room(num_tokens)
+        out: list[int] = []
+        for _ in range(num_tokens):
+            logits = self.seq.forward([], keep_last=1)
+            scores = transform_logits(logits, self.seq.tokens, [], sampling, self.loaded.vocab_size)
+            if sampling.greedy:
+                token = int(scores[0].argmax())
+            else:
+                token = int(torch.multinomial(scores_to_probs(scores)[0], 1, generator=self._generator(sampling)))
+            self.seq.append([token])
+            out.append(token)
+            if token in self.loaded.eos_token_ids:
+                break
+        return out

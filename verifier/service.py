@@ -1,0 +1,48 @@
+"""The Verifier gRPC servicer: proto -> domain -> proto, nothing more."""
+from __future__ import annotations
+
+import logging
+
+from specdec.errors import InvalidArgument
+from specdec.model_service import MAX_PROPOSE_TOKENS, ModelServiceBase, serve_model, validate_token_ids
+from specdec.models import LoadedModel
+from specdec.serving import RunningServer
+from specdec.v1 import verifier_pb2, verifier_pb2_grpc
+from specdec.wire import decode_probs, sampling_from_proto
+
+from verifier.scorer import TargetSession
+
+log = logging.getLogger("verifier")
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+MAX_DECODE_TOKENS = 4096
+
+
+class VerifierServicer(ModelServiceBase[TargetSession], verifier_pb2_grpc.VerifierServicer):
+    def Verify(self, request, context) -> verifier_pb2.VerifyResponse:
+        sampling = sampling_from_proto(request.sampling)
+        draft = list(request.draft_token_ids)
+        if len(draft) > MAX_PROPOSE_TOKENS:
+            raise InvalidArgument(f"{len(draft)} draft tokens is over the limit of {MAX_PROPOSE_TOKENS}")
+        validate_token_ids(draft, self.loaded.vocab_size, "draft_token_ids")
+        draft_probs = None
+        if not sampling.greedy:
+            draft_probs = decode_probs(request.draft_probs_fp16, len(draft), self.loaded.vocab_size)
+        elif request.draft_probs_fp16:
+            raise InvalidArgument("draft_probs_fp16 must be empty when temperature is 0 (greedy)")
+        with self.sessions.use(request.session_id) as session:
+            out = session.verify(draft, draft_probs, sampling)
+        return verifier_pb2.VerifyResponse(num_accepted=out.num_accepted, next_token_id=out.next_token_id,
+                                           bonus=out.bonus)
+
+    def Decode(self, request, context) -> verifier_pb2.DecodeResponse:
+        if not 0 < request.num_tokens <= MAX_DECODE_TOKENS:
+            raise InvalidArgument(f"num_tokens must be in 1..{MAX_DECODE_TOKENS}, got {request.num_tokens}")
+        sampling = sampling_from_proto(request.sampling)
+        with self.sessions.use(request.session_id) as session:
+            tokens = session.decode(request.num_tokens, sampling)
+        return verifier_pb2.DecodeResponse(token_ids=tokens)
+
+
+def serve(loaded: LoadedModel, **kwargs) -> RunningServer:
+    return serve_model(VerifierServicer, TargetSession, verifier_pb2_grpc.add_VerifierServicer_to_server, SERVICE_NAME,
+                       loaded, **kwargs)
