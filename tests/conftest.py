@@ -1,0 +1,67 @@
+"""Shared fixtures: the tiny models, and the three services as real gRPC servers
+on loopback ports (in this process, so a test run stays fast)."""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+import drafter.service
+import verifier.service
+from coordinator.service import CoordinatorConfig, serve as serve_coordinator
+from specdec.models import LoadedModel, load_model
+from specdec.serving import RunningServer, channel
+from specdec.v1 import coordinator_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> LoadedModel:
+    return load_model("tiny-target")
+
+
+@pytest.fixture(scope="session")
+def tiny_draft() -> LoadedModel:
+    return load_model("tiny-draft")
+
+
+@dataclass
+class Stack:
+    drafter: RunningServer
+    verifier: RunningServer
+    coordinator: RunningServer
+    coordinator_stub: coordinator_pb2_grpc.CoordinatorStub
+    drafter_stub: drafter_pb2_grpc.DrafterStub
+    verifier_stub: verifier_pb2_grpc.VerifierStub
+
+    def address(self, server: RunningServer) -> str:
+        return f"127.0.0.1:{server.port}"
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_target, tiny_draft):
+    d = drafter.service.serve(tiny_draft)
+    v = verifier.service.serve(tiny_target)
+    c, backends = serve_coordinator(CoordinatorConfig(drafter=f"127.0.0.1:{d.port}", verifier=f"127.0.0.1:{v.port}",
+                                                      gamma=4, connect_timeout_s=30))
+    channels = [channel(f"127.0.0.1:{s.port}") for s in (c, d, v)]
+    yield Stack(d, v, c, coordinator_pb2_grpc.CoordinatorStub(channels[0]),
+                drafter_pb2_grpc.DrafterStub(channels[1]), verifier_pb2_grpc.VerifierStub(channels[2]))
+    for ch in channels:
+        ch.close()
+    backends.close()
+    for server in (c, d, v):
+        server.stop(0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, **kwargs)
+    return info.value

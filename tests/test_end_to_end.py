@@ -1,0 +1,183 @@
+"""The whole pipeline over real gRPC on loopback: lossless, end to end (fp32)."""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specdec.sampling import SamplingConfig, scores_to_probs, transform_logits
+from specdec.v1 import common_pb2, coordinator_pb2 as pb
+
+PROMPTS = [
+    "Write a function that returns the sum of two numbers.",
+    "Hello, world! How are you today?",
+    "The weather today is sunny",
+    "def fibonacci(n):",
+    "Once upon a time there was",
+    "What is the capital of France?",
+    "Translate the following sentence into French.",
+    "for i in range(10):",
+    "A list is mutable, which means",
+    "The quick brown fox",
+    "Speculative decoding makes",
+    "class Stack:",
+]
+
+
+def generate(stub, prompt: str, *, speculate: bool, gamma: int = 4, max_new_tokens: int = 40,
+             temperature: float = 0.0, seed: int | None = None, **sampling) -> pb.GenerateResponse:
+    params = common_pb2.SamplingParams(temperature=temperature, **sampling)
+    if seed is not None:
+        params.seed = seed
+    return stub.Generate(pb.GenerateRequest(
+        prompt=prompt, max_new_tokens=max_new_tokens, sampling=params,
+        speculation=pb.Speculation(disabled=not speculate, gamma=gamma)), timeout=60)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_greedy_speculative_output_equals_target_only(stack, gamma):
+    equal, drafted, accepted = 0, 0, 0
+    for prompt in PROMPTS:
+        reference = generate(stack.coordinator_stub, prompt, speculate=False)
+        speculative = generate(stack.coordinator_stub, prompt, speculate=True, gamma=gamma)
+        assert list(speculative.token_ids) == list(reference.token_ids), prompt
+        assert speculative.text == reference.text
+        equal += 1
+        drafted += speculative.stats.draft_tokens
+        accepted += speculative.stats.accepted_tokens
+    assert equal == len(PROMPTS) >= 10
+    # Both paths were exercised: some drafts accepted, some rejected.
+    assert 0 < accepted < drafted
+
+
+def test_stats_are_consistent(stack):
+    r = generate(stack.coordinator_stub, PROMPTS[0], speculate=True, gamma=4, max_new_tokens=30)
+    s = r.stats
+    assert r.finish_reason == pb.FINISH_REASON_LENGTH and len(r.token_ids) == 30
+    assert s.acceptance_rate == pytest.approx(s.accepted_tokens / s.draft_tokens)
+    assert s.mean_accepted_length == pytest.approx((s.accepted_tokens + s.rounds) / s.rounds)
+    assert len(s.acceptance_by_position) == 4 and all(0 <= a <= 1 for a in s.acceptance_by_position)
+    assert s.total_ms >= s.draft_ms + s.verify_ms - 1e-3 and s.tokens_per_second > 0
+    assert s.prompt_tokens > 0 and s.gamma == 4
+
+
+def test_seeded_sampling_is_reproducible(stack):
+    runs = [generate(stack.coordinator_stub, PROMPTS[1], speculate=True, temperature=0.9, seed=1234)
+            for _ in range(2)]
+    other = generate(stack.coordinator_stub, PROMPTS[1], speculate=True, temperature=0.9, seed=99)
+    assert list(runs[0].token_ids) == list(runs[1].token_ids)
+    assert list(other.token_ids) != list(runs[0].token_ids)
+
+
+def test_stream_matches_unary(stack):
+    request = pb.GenerateRequest(prompt=PROMPTS[3], max_new_tokens=25, speculation=pb.Speculation(gamma=3))
+    unary = stack.coordinator_stub.Generate(request, timeout=60)
+    messages = list(stack.coordinator_stub.GenerateStream(request, timeout=60))
+    final = messages[-1]
+    assert final.finish_reason == unary.finish_reason and final.stats.rounds == unary.stats.rounds
+    assert not final.token_ids and len(messages) - 1 == unary.stats.rounds  # one message per round
+    assert [t for m in messages for t in m.token_ids] == list(unary.token_ids)
+    assert "".join(m.text for m in messages) == unary.text
+
+
+def test_chat_messages_apply_the_template(stack, tiny_target):
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    request = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in chat]),
+                                 max_new_tokens=5)
+    response = stack.coordinator_stub.Generate(request, timeout=60)
+    text = tiny_target.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert response.stats.prompt_tokens == len(tiny_target.tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_stop_string_ends_generation(stack):
+    reference = generate(stack.coordinator_stub, PROMPTS[0], speculate=True, max_new_tokens=40)
+    stop = reference.text[10:13]
+    request = pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=40, stop=[stop])
+    response = stack.coordinator_stub.Generate(request, timeout=60)
+    assert response.finish_reason == pb.FINISH_REASON_STOP
+    assert response.text == reference.text[: reference.text.find(stop)]
+
+
+# --- sampled output is distributed as the target's ------------------------------------------
+
+RUNS = 2000
+SAMPLING = SamplingConfig(temperature=0.8, top_k=40)
+
+
+def exact_first_two_token_distribution(loaded, prompt_ids):
+    """P(x1) and P(x1, x2) of target-only sampling, from the target model itself."""
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=torch.tensor([prompt_ids])).logits[0, -1:]
+        p1 = scores_to_probs(transform_logits(logits, prompt_ids, [], SAMPLING, loaded.vocab_size))[0]
+        support = p1.nonzero()[:, 0].tolist()
+        batch = torch.tensor([prompt_ids + [x] for x in support])
+        logits2 = loaded.model(input_ids=batch).logits[:, -1]
+        p2 = torch.stack([scores_to_probs(transform_logits(logits2[i : i + 1], prompt_ids + [x], [], SAMPLING,
+                                                           loaded.vocab_size))[0] for i, x in enumerate(support)])
+    # EOS ends a generation and is not returned, so all EOS ids are one outcome.
+    eos = set(loaded.eos_token_ids)
+    label = lambda t: "EOS" if t in eos else t  # noqa: E731
+    first, joint = collections.defaultdict(float), collections.defaultdict(float)
+    for i, x1 in enumerate(support):
+        first[label(x1)] += float(p1[x1])
+        if x1 in eos:
+            joint[("EOS", None)] += float(p1[x1])
+            continue
+        for x2 in p2[i].nonzero()[:, 0].tolist():
+            joint[(x1, label(x2))] += float(p1[x1] * p2[i, x2])
+    return dict(first), dict(joint)
+
+
+def observed_outcome(response) -> tuple:
+    ids = list(response.token_ids)
+    if not ids:
+        return "EOS", ("EOS", None)
+    if len(ids) == 1:
+        assert response.finish_reason == pb.FINISH_REASON_EOS
+        return ids[0], (ids[0], "EOS")
+    return ids[0], (ids[0], ids[1])
+
+
+def chi_square_p(counts: collections.Counter, expected_probs: dict, n: int, min_expected: float = 5.0) -> float:
+    """Pearson chi-square; outcomes expected fewer than `min_expected` times share one bin."""
+    big = [k for k, p in expected_probs.items() if p * n >= min_expected]
+    observed = [counts.get(k, 0) for k in big]
+    expected = [expected_probs[k] * n for k in big]
+    observed.append(n - sum(observed))
+    expected.append(n - sum(expected))
+    assert all(k in expected_probs for k in counts), "sampled an outcome the target gives probability 0"
+    return stats.chisquare(observed, expected).pvalue
+
+
+def total_variation(counts: collections.Counter, probs: dict, n: int) -> float:
+    keys = set(counts) | set(probs)
+    return 0.5 * sum(abs(counts.get(k, 0) / n - probs.get(k, 0.0)) for k in keys)
+
+
+def test_sampled_first_two_tokens_follow_the_target_distribution(stack, tiny_target, tiny_draft):
+    prompt = "Hello, world! How are"
+    prompt_ids = tiny_target.tokenizer.encode(prompt)
+    p1, joint = exact_first_two_token_distribution(tiny_target, prompt_ids)
+    first, pairs = collections.Counter(), collections.Counter()
+    drafted = accepted = 0
+    for seed in range(RUNS):
+        # gamma 3 over 3 new tokens drafts 2: acceptance, rejection at either position, and bonus all occur.
+        r = generate(stack.coordinator_stub, prompt, speculate=True, gamma=3, max_new_tokens=3,
+                     temperature=SAMPLING.temperature, top_k=SAMPLING.top_k, seed=seed)
+        x1, pair = observed_outcome(r)
+        first[x1] += 1
+        pairs[pair] += 1
+        drafted += r.stats.draft_tokens
+        accepted += r.stats.accepted_tokens
+    assert 0.2 < accepted / drafted < 0.98      # both acceptance and rejection happened, often
+    assert chi_square_p(first, p1, RUNS) > 1e-3
+    assert chi_square_p(pairs, joint, RUNS) > 1e-3
+    # Power: the samples sit much closer to the target's distribution than to the
+    # draft's, so a sampler that leaked draft tokens would be noticed.
+    draft_p1, _ = exact_first_two_token_distribution(tiny_draft, prompt_ids)
+    tv_target, tv_draft = total_variation(first, p1, RUNS), total_variation(first, draft_p1, RUNS)
+    assert tv_target < 0.06 and tv_draft > 2 * tv_target, (tv_target, tv_draft)

@@ -1,0 +1,141 @@
+"""The rejection sampler's output is distributed as the target's, whatever the draft."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specdec.rejection import greedy_accept, rejection_sample
+from specdec.sampling import SamplingConfig, scores_to_probs, transform_logits
+
+V = 8
+N = 10_000
+ALPHA = 1e-3
+
+
+def _empirical_first_token(target: torch.Tensor, draft: torch.Tensor, gamma: int, seed: int, sampler=rejection_sample):
+    """Sample gamma drafts from `draft`, run the sampler, count the first output token."""
+    generator = torch.Generator().manual_seed(seed)
+    counts = np.zeros(V)
+    draft_probs = draft.expand(gamma, V)
+    target_probs = target.expand(gamma + 1, V)
+    accepted = 0
+    for _ in range(N):
+        draft_ids = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
+        out = sampler(draft_ids, draft_probs, target_probs, generator)
+        counts[int(out.output_token_ids[0])] += 1
+        accepted += out.num_accepted
+    return counts, accepted / (N * gamma)
+
+
+def _chi_square_p(counts: np.ndarray, probs: torch.Tensor) -> float:
+    p = probs.double().numpy()
+    expected = p / p.sum() * counts.sum()
+    support = expected > 0
+    assert counts[~support].sum() == 0, "sampled a token the target gives zero probability"
+    return stats.chisquare(counts[support], expected[support]).pvalue
+
+
+def _dist(values) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.float32)
+    return t / t.sum()
+
+
+def _truncated(logits: torch.Tensor, **kw) -> torch.Tensor:
+    config = SamplingConfig(temperature=1.0, **kw)
+    return scores_to_probs(transform_logits(logits[None], [], [], config, V))[0]
+
+
+LOGITS_T = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])
+LOGITS_D = torch.tensor([-1.0, 0.0, 2.0, 1.0, 1.5, 0.5, -2.0, 0.0])
+PAIRS = {
+    "close": (_dist([8, 7, 6, 5, 4, 3, 2, 1]), _dist([7, 8, 5, 6, 3, 4, 1, 2])),
+    "far": (_dist([20, 5, 1, 1, 1, 1, 1, 1]), _dist([1, 1, 1, 1, 1, 1, 5, 20])),
+    "disjoint supports": (_dist([1, 1, 1, 1, 0, 0, 0, 0]), _dist([0, 0, 0, 0, 1, 2, 3, 4])),
+    "draft narrower": (_dist([1, 2, 3, 4, 5, 6, 7, 8]), _dist([0, 0, 0, 0, 0, 0, 1, 1])),
+    "top-k target, full draft": (_truncated(LOGITS_T, top_k=3), _truncated(LOGITS_D)),
+    "top-p both": (_truncated(LOGITS_T, top_p=0.8), _truncated(LOGITS_D, top_p=0.7)),
+    "top-k draft, top-p target": (_truncated(LOGITS_T, top_p=0.9), _truncated(LOGITS_D, top_k=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_output_distribution_equals_target(name):
+    target, draft = PAIRS[name]
+    counts, acceptance = _empirical_first_token(target, draft, gamma=2, seed=7)
+    assert _chi_square_p(counts, target) > ALPHA, (name, counts)
+    # And the total-variation distance is small in absolute terms.
+    assert 0.5 * np.abs(counts / N - target.numpy()).sum() < 0.03
+
+
+def test_acceptance_rate_is_the_overlap_of_the_distributions():
+    # Leviathan et al.: P(accept) = sum_x min(p(x), q(x)) = 1 - TV(p, q).
+    target, draft = PAIRS["far"]
+    _, acceptance = _empirical_first_token(target, draft, gamma=1, seed=3)
+    assert acceptance == pytest.approx(float(torch.minimum(target, draft).sum()), abs=0.02)
+
+
+def test_later_positions_and_bonus_follow_the_target():
+    """With gamma=3 every output position must still be target-distributed."""
+    target, draft = PAIRS["close"]
+    generator = torch.Generator().manual_seed(11)
+    gamma = 3
+    counts = np.zeros((gamma + 1, V))
+    for _ in range(N):
+        draft_ids = torch.multinomial(draft.expand(gamma, V), 1, generator=generator)[:, 0]
+        out = rejection_sample(draft_ids, draft.expand(gamma, V), target.expand(gamma + 1, V), generator)
+        counts[out.num_accepted, out.next_token_id] += 1
+    # Given the first rejection at position i, tokens there come from the residual;
+    # overall the last position's token sampled fresh (bonus) must be target-distributed.
+    assert counts[gamma].sum() > 500
+    assert _chi_square_p(counts[gamma], target) > ALPHA
+
+
+def _always_accept(draft_ids, draft_probs, target_probs, generator):
+    return greedy_accept(draft_ids, torch.cat([draft_ids, draft_ids[-1:]]))
+
+
+def _resample_from_target_on_rejection(draft_ids, draft_probs, target_probs, generator):
+    # The classic bug: sampling the recovered token from p instead of norm(max(0, p - q)).
+    out = rejection_sample(draft_ids, draft_probs, target_probs, generator)
+    if out.bonus:
+        return out
+    fresh = torch.multinomial(target_probs[out.num_accepted], 1, generator=generator)
+    return type(out)(out.num_accepted, torch.cat([out.output_token_ids[:-1], fresh]), False)
+
+
+@pytest.mark.parametrize("sampler", [_always_accept, _resample_from_target_on_rejection])
+def test_the_test_has_power_broken_samplers_fail(sampler):
+    target, draft = PAIRS["far"]
+    counts, _ = _empirical_first_token(target, draft, gamma=2, seed=5, sampler=sampler)
+    assert _chi_square_p(counts, target) < 1e-6
+
+
+def test_greedy_accept_stops_at_first_mismatch():
+    out = greedy_accept(torch.tensor([5, 6, 7, 8]), torch.tensor([5, 6, 1, 8, 9]))
+    assert out.num_accepted == 2 and out.output_token_ids.tolist() == [5, 6, 1] and not out.bonus
+    out = greedy_accept(torch.tensor([5, 6]), torch.tensor([5, 6, 4]))
+    assert out.num_accepted == 2 and out.output_token_ids.tolist() == [5, 6, 4] and out.bonus
+
+
+def test_empty_draft_samples_one_target_token():
+    generator = torch.Generator().manual_seed(0)
+    target = PAIRS["far"][0]
+    out = rejection_sample(torch.zeros(0, dtype=torch.long), torch.zeros(0, V), target[None], generator)
+    assert out.num_accepted == 0 and out.bonus and out.output_token_ids.shape == (1,)
+
+
+def test_seeded_generator_gives_the_same_result():
+    target, draft = PAIRS["close"]
+    runs = []
+    for _ in range(2):
+        generator = torch.Generator().manual_seed(42)
+        draft_ids = torch.tensor([1, 0, 3])
+        runs.append(rejection_sample(draft_ids, draft.expand(3, V), target.expand(4, V), generator))
+    assert runs[0].output_token_ids.tolist() == runs[1].output_token_ids.tolist()
+
+
+def test_shapes_are_asserted():
+    with pytest.raises(AssertionError):
+        rejection_sample(torch.tensor([1, 2]), torch.ones(3, V) / V, torch.ones(3, V) / V, torch.Generator())

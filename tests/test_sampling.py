@@ -1,0 +1,88 @@
+"""The one sampling transform and its validation."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdec.errors import InvalidArgument
+from specdec.sampling import SamplingConfig, make_generator, scores_to_probs, transform_logits
+from specdec.wire import decode_probs, encode_probs, round_probs_for_wire, sampling_from_proto, sampling_to_proto
+from specdec.v1 import common_pb2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=math.nan), "temperature"),
+    (dict(temperature=math.inf), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+])
+def test_invalid_configs_are_refused_with_the_field_named(kwargs, message):
+    with pytest.raises(InvalidArgument, match=message):
+        SamplingConfig(**kwargs).validate()
+
+
+def test_proto_round_trip_and_unset_means_off():
+    config = SamplingConfig(temperature=0.75, top_k=5, top_p=0.875, repetition_penalty=1.25, seed=3)  # float32-exact
+    assert sampling_from_proto(sampling_to_proto(config)) == config
+    assert sampling_from_proto(common_pb2.SamplingParams()) == SamplingConfig()
+    with pytest.raises(InvalidArgument, match="top_p"):
+        sampling_from_proto(common_pb2.SamplingParams(temperature=1.0, top_p=0.0))
+
+
+def test_padded_vocab_is_masked():
+    logits = torch.zeros(1, 12)
+    logits[0, 10] = 100.0  # a padded id the tokenizer does not have
+    probs = scores_to_probs(transform_logits(logits, [], [], SamplingConfig(temperature=1.0), vocab_size=10))
+    assert probs.shape == (1, 10) and torch.allclose(probs.sum(), torch.tensor(1.0))
+
+
+def test_top_k_and_top_p_truncate():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    k2 = scores_to_probs(transform_logits(logits, [], [], SamplingConfig(temperature=1.0, top_k=2), 5))
+    assert (k2[0, 2:] == 0).all() and (k2[0, :2] > 0).all()
+    p = scores_to_probs(transform_logits(logits, [], [], SamplingConfig(temperature=1.0, top_p=0.5), 5))
+    assert (p[0] > 0).sum() == 1
+
+
+def test_rows_see_their_own_history_for_repetition_penalty():
+    """Row i of a verify pass must be penalized exactly as the drafter's step i was."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 20)
+    config = SamplingConfig(temperature=0.8, repetition_penalty=1.5)
+    history, drafts = [1, 2, 3], [7, 9]
+    batched = transform_logits(logits, history, drafts, config, 20)
+    for i in range(3):
+        one = transform_logits(logits[i : i + 1], history + drafts[:i], [], config, 20)
+        assert torch.equal(batched[i], one[0])
+    assert not torch.equal(batched[1], transform_logits(logits[1:2], history, [], config, 20)[0])
+
+
+def test_drafter_and_verifier_generators_differ_but_are_seeded():
+    config = SamplingConfig(temperature=1.0, seed=9)
+    a = torch.rand(3, generator=make_generator(config, "drafter"))
+    b = torch.rand(3, generator=make_generator(config, "drafter"))
+    c = torch.rand(3, generator=make_generator(config, "verifier"))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_wire_probs_are_exactly_what_the_drafter_sampled_from():
+    probs = torch.softmax(torch.randn(3, 50), dim=-1)
+    sent = round_probs_for_wire(probs)
+    received = decode_probs(encode_probs(probs), 3, 50)
+    assert torch.equal(sent, received)
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\x00" * 10, "bytes"),
+    (torch.full((2, 5), float("nan")).half().numpy().tobytes(), "NaN"),
+    (torch.full((2, 5), -0.2).half().numpy().tobytes(), "negative"),
+    (torch.zeros(2, 5).half().numpy().tobytes(), "sums to zero"),
+])
+def test_bad_draft_probs_are_refused(data, message):
+    with pytest.raises(InvalidArgument, match=message):
+        decode_probs(data, 2, 5)

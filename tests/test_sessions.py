@@ -1,0 +1,53 @@
+"""The session store: TTL reaping and admission limits."""
+from __future__ import annotations
+
+import pytest
+
+from specdec.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from specdec.sessions import SessionStore
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_idle_sessions_are_reaped_after_the_ttl():
+    clock = Clock()
+    store: SessionStore[str] = SessionStore(ttl_s=10, max_sessions=4, clock=clock)
+    store.create("a", lambda: "A")
+    store.create("b", lambda: "B")
+    clock.now = 6
+    with store.use("a") as value:
+        assert value == "A"
+    clock.now = 12
+    assert store.reap() == 1 and len(store) == 1     # b idle 12 s, a only 6 s
+    with pytest.raises(NotFound, match="unknown session 'b'"):
+        with store.use("b"):
+            pass
+
+
+def test_limits_and_duplicates():
+    store: SessionStore[int] = SessionStore(ttl_s=60, max_sessions=2)
+    store.create("a", lambda: 1)
+    with pytest.raises(AlreadyExists):
+        store.create("a", lambda: 1)
+    store.create("b", lambda: 2)
+    with pytest.raises(ResourceExhausted, match="--max-sessions"):
+        store.create("c", lambda: 3)
+    assert store.remove("a") and not store.remove("a")
+    store.create("c", lambda: 3)
+    with pytest.raises(InvalidArgument):
+        store.create("", lambda: 0)
+
+
+def test_a_failing_factory_leaves_no_session():
+    store: SessionStore[int] = SessionStore()
+
+    def boom() -> int:
+        raise ValueError("no")
+    with pytest.raises(ValueError):
+        store.create("a", boom)
+    assert len(store) == 0
