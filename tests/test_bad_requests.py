@@ -1,0 +1,126 @@
+"""Bad input gets a precise status and an actionable message; services keep
+serving and no session leaks."""
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.v1 import common_pb2, coordinator_pb2 as pb, drafter_pb2, verifier_pb2
+from tests.conftest import rpc_error
+
+INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
+
+
+def sampling(**kw) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(**kw)
+
+
+BAD_GENERATE = {
+    "no input": (pb.GenerateRequest(), "set one of prompt, messages or token_ids"),
+    "empty prompt": (pb.GenerateRequest(prompt=""), "prompt is empty"),
+    "empty messages": (pb.GenerateRequest(messages=pb.ChatMessages()), "messages is empty"),
+    "bad role": (pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")])),
+                 "messages[0].role is 'wizard'"),
+    "empty token ids": (pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids is empty"),
+    "token id outside vocab": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 100000])),
+                               "token id 100000, outside the vocabulary (0..511)"),
+    "max_new_tokens 0": (pb.GenerateRequest(prompt="hi", max_new_tokens=0), "max_new_tokens must be > 0, got 0"),
+    "max_new_tokens negative": (pb.GenerateRequest(prompt="hi", max_new_tokens=-5), "max_new_tokens must be > 0"),
+    "beyond context": (pb.GenerateRequest(prompt="hi", max_new_tokens=5000), "exceeds the target's context window (1024)"),
+    "prompt longer than context": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 1100), max_new_tokens=1),
+                                   "exceeds the target's context window"),
+    "negative temperature": (pb.GenerateRequest(prompt="hi", sampling=sampling(temperature=-1)), "temperature"),
+    "NaN temperature": (pb.GenerateRequest(prompt="hi", sampling=sampling(temperature=math.nan)), "temperature"),
+    "top_p 0": (pb.GenerateRequest(prompt="hi", sampling=sampling(temperature=1, top_p=0.0)), "top_p must be in (0, 1]"),
+    "top_p above 1": (pb.GenerateRequest(prompt="hi", sampling=sampling(top_p=1.5)), "top_p must be in (0, 1], got 1.5"),
+    "negative top_k": (pb.GenerateRequest(prompt="hi", sampling=sampling(top_k=-1)), "top_k must be between 0"),
+    "zero repetition penalty": (pb.GenerateRequest(prompt="hi", sampling=sampling(repetition_penalty=0)),
+                                "repetition_penalty"),
+    "gamma over limit": (pb.GenerateRequest(prompt="hi", speculation=pb.Speculation(gamma=1000)),
+                         "speculation.gamma=1000 is over the drafter's limit of 32"),
+    "empty stop string": (pb.GenerateRequest(prompt="hi", stop=[""]), "stop takes at most"),
+}
+
+
+def assert_healthy_and_empty(stack):
+    for server in (stack.coordinator, stack.drafter, stack.verifier):
+        with grpc.insecure_channel(stack.address(server)) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    ok = stack.coordinator_stub.Generate(pb.GenerateRequest(prompt="still fine?", max_new_tokens=4), timeout=30)
+    assert len(ok.token_ids) > 0
+    for stub in (stack.drafter_stub, stack.verifier_stub):
+        assert stub.Info(common_pb2.InfoRequest(), timeout=5).active_sessions == 0
+
+
+@pytest.mark.parametrize("name", list(BAD_GENERATE))
+def test_bad_generate_requests(stack, name):
+    request, message = BAD_GENERATE[name]
+    for call in (stack.coordinator_stub.Generate, lambda r, **kw: list(stack.coordinator_stub.GenerateStream(r, **kw))):
+        error = rpc_error(call, request, timeout=30)
+        assert error.code() == INVALID, (name, error.details())
+        assert message in error.details(), (name, error.details())
+    assert_healthy_and_empty(stack)
+
+
+def test_internal_calls_with_unknown_session_get_not_found(stack):
+    greedy = sampling()
+    calls = [
+        (stack.drafter_stub.Propose, drafter_pb2.ProposeRequest(session_id="nope", num_tokens=2, sampling=greedy)),
+        (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(session_id="nope", draft_token_ids=[1], sampling=greedy)),
+        (stack.verifier_stub.Decode, verifier_pb2.DecodeRequest(session_id="nope", num_tokens=2, sampling=greedy)),
+    ]
+    for call, request in calls:
+        error = rpc_error(call, request, timeout=5)
+        assert error.code() == NOT_FOUND and "unknown session 'nope'" in error.details()
+    assert not stack.verifier_stub.EndSession(common_pb2.EndSessionRequest(session_id="nope")).existed
+
+
+@pytest.fixture
+def sessions(stack):
+    """One open session on each model service, ended afterwards."""
+    start = common_pb2.StartSessionRequest(session_id="bad-input-test", prompt_token_ids=[57, 84, 275])
+    stack.drafter_stub.StartSession(start, timeout=5)
+    stack.verifier_stub.StartSession(start, timeout=5)
+    yield "bad-input-test"
+    for stub in (stack.drafter_stub, stack.verifier_stub):
+        stub.EndSession(common_pb2.EndSessionRequest(session_id="bad-input-test"), timeout=5)
+
+
+def test_internal_bad_arguments(stack, sessions):
+    hot = sampling(temperature=1.0)
+    nan_probs = bytes.fromhex("007e") * 512  # fp16 NaN
+    cases = [
+        (stack.drafter_stub.Propose, drafter_pb2.ProposeRequest(session_id=sessions, num_tokens=33, sampling=hot),
+         "num_tokens=33 is over the limit of 32"),
+        (stack.drafter_stub.Propose, drafter_pb2.ProposeRequest(
+            session_id=sessions, num_tokens=1, sampling=hot, commit=drafter_pb2.Commit(num_accepted=3)),
+         "commit.num_accepted=3 but only 0 tokens were drafted"),
+        (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(
+            session_id=sessions, draft_token_ids=[1, 2], draft_probs_fp16=b"\x00" * 100, sampling=hot),
+         "draft_probs_fp16 has 100 bytes; expected 2048"),
+        (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(
+            session_id=sessions, draft_token_ids=[1], draft_probs_fp16=nan_probs, sampling=hot),
+         "NaN"),
+        (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(
+            session_id=sessions, draft_token_ids=[9999], sampling=sampling()), "outside the vocabulary"),
+        (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(
+            session_id=sessions, draft_token_ids=[1], draft_probs_fp16=b"\x00\x3c", sampling=sampling()),
+         "must be empty when temperature is 0"),
+        (stack.verifier_stub.Decode, verifier_pb2.DecodeRequest(session_id=sessions, num_tokens=0, sampling=hot),
+         "num_tokens must be in 1..4096"),
+        (stack.drafter_stub.StartSession, common_pb2.StartSessionRequest(session_id="x", prompt_token_ids=[]),
+         "prompt_token_ids is empty"),
+    ]
+    for call, request, message in cases:
+        error = rpc_error(call, request, timeout=5)
+        assert error.code() == INVALID and message in error.details(), (message, error.details())
+    duplicate = rpc_error(stack.verifier_stub.StartSession,
+                          common_pb2.StartSessionRequest(session_id=sessions, prompt_token_ids=[1]), timeout=5)
+    assert duplicate.code() == grpc.StatusCode.ALREADY_EXISTS
+    # The session survived the bad calls and still works.
+    ok = stack.verifier_stub.Decode(verifier_pb2.DecodeRequest(session_id=sessions, num_tokens=2, sampling=hot), timeout=5)
+    assert len(ok.token_ids) >= 1

@@ -1,0 +1,95 @@
+"""The `specdec` command and the services as real subprocesses."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import drafter.service
+from specdec.models import load_model
+from tests.conftest import free_port
+
+ENV = dict(os.environ, PYTHONUNBUFFERED="1")
+
+
+def child_pids(parent: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == parent:
+                        pids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def specdec(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+@pytest.fixture
+def mismatched_drafter():
+    running = drafter.service.serve(load_model("tiny-mismatch-draft"))
+    yield f"127.0.0.1:{running.port}"
+    running.stop(0)
+
+
+def test_coordinator_refuses_mismatched_tokenizers(stack, mismatched_drafter):
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator", "--drafter", mismatched_drafter,
+         "--verifier", stack.address(stack.verifier), "--port", "0", "--connect-timeout", "30"],
+        capture_output=True, text=True, timeout=120, env=ENV)
+    assert result.returncode == 2
+    assert ("draft (tiny-mismatch-draft) and target (tiny-target) tokenizers differ: same tokens in a different "
+            "id order; id 0: draft '<|im_end|>' vs target '<|endoftext|>'") in result.stderr
+
+
+def test_up_generate_and_stop():
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--pair", "tiny", "--port", str(port)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        line = up.stdout.readline()
+        assert f"coordinator on 127.0.0.1:{port}" in line, (line, up.stderr.read() if up.poll() else "")
+        result = specdec("generate", "--addr", f"127.0.0.1:{port}", "--prompt", "def add(a, b):",
+                         "--max-new-tokens", "12", "--json")
+        assert result.returncode == 0, result.stderr
+        response = json.loads(result.stdout)
+        assert len(response["tokenIds"]) == 12 and response["finishReason"] == "FINISH_REASON_LENGTH"
+        assert response["stats"]["rounds"] >= 1 and "acceptanceRate" in response["stats"]
+        target_only = specdec("generate", "--addr", f"127.0.0.1:{port}", "--prompt", "def add(a, b):",
+                              "--max-new-tokens", "12", "--json", "--no-speculation")
+        assert json.loads(target_only.stdout)["tokenIds"] == response["tokenIds"]
+        streamed = specdec("generate", "--addr", f"127.0.0.1:{port}", "--prompt", "def add(a, b):",
+                           "--max-new-tokens", "12", "--stream")
+        assert streamed.returncode == 0 and streamed.stdout.strip() == response["text"].strip()
+        bad = specdec("generate", "--addr", f"127.0.0.1:{port}", "--prompt", "x", "--top-p", "2")
+        assert bad.returncode == 1 and "INVALID_ARGUMENT: top_p must be in (0, 1], got 2" in bad.stderr
+    finally:
+        children = child_pids(up.pid)
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(60)
+    assert code == 0
+    assert len(children) == 3 and not any(alive(pid) for pid in children), "a service outlived `specdec up`"
+
+
+def test_up_with_a_mismatched_pair_exits_and_names_the_difference():
+    result = specdec("up", "--pair", "tiny-mismatch", "--port", str(free_port()))
+    assert result.returncode == 2
+    assert "id 0: draft '<|im_end|>' vs target '<|endoftext|>'" in result.stderr
+    assert "coordinator exited with code 2" in result.stderr
