@@ -15,7 +15,9 @@ from coordinator.service import CoordinatorConfig, serve
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m coordinator", description="specdec coordinator (public API)")
     parser.add_argument("--verifier", required=True, help="verifier address HOST:PORT")
-    parser.add_argument("--drafter", help="drafter address HOST:PORT (omit for target-only serving)")
+    parser.add_argument("--drafter", help="drafter address HOST:PORT (omit for target-only or n-gram serving)")
+    parser.add_argument("--proposer", default="drafter", choices=["drafter", "ngram"],
+                        help="who drafts: the drafter service, or prompt lookup (no draft model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
@@ -25,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup_logging("coordinator")
     log = logging.getLogger("coordinator")
-    config = CoordinatorConfig(drafter=args.drafter, verifier=args.verifier, gamma=args.gamma,
+    config = CoordinatorConfig(drafter=args.drafter, verifier=args.verifier, proposer=args.proposer, gamma=args.gamma,
                                max_new_tokens=args.max_new_tokens, connect_timeout_s=args.connect_timeout)
     try:
         running, backends = serve(config, host=args.host, port=args.port)

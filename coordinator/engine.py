@@ -127,8 +127,9 @@ class SpeculativeEngine:
                 # 2. Propose gamma tokens; the previous round's commit rides on the call.
                 proposal = Proposal(())
                 if gamma > 0:
+                    started = time.perf_counter()
                     proposal = proposer.propose(gamma, request.sampling, commit)
-                    stats.draft_ms += proposal.elapsed_ms
+                    stats.draft_ms += (time.perf_counter() - started) * 1e3
                     commit = None
                 # 3. Verify: one target forward pass over the draft, then the rejection sampler.
                 started = time.perf_counter()
@@ -142,9 +143,10 @@ class SpeculativeEngine:
                     commit = Commit(verdict.num_accepted, (verdict.next_token_id,))
                 else:  # no proposal this round: the target tokens pile up
                     commit = Commit(commit.num_accepted, commit.target_token_ids + (verdict.next_token_id,))
-                stats.record_round(gamma, verdict.num_accepted)
+                drafted = len(proposal.token_ids)  # a proposer may offer fewer than gamma
+                stats.record_round(drafted, verdict.num_accepted)
                 span.set_attributes({"specdec.round.index": stats.rounds - 1, "specdec.gamma": gamma,
-                                     "specdec.draft_tokens": gamma, "specdec.accepted_tokens": verdict.num_accepted,
+                                     "specdec.draft_tokens": drafted, "specdec.accepted_tokens": verdict.num_accepted,
                                      "specdec.bonus": verdict.bonus})
             yield new_tokens
 

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 import grpc
 
 from specdec.errors import FailedPrecondition
+from specdec.model_service import MAX_PROPOSE_TOKENS
+from specdec.ngram import NgramProposer
+from specdec.proposer import Proposer
 from specdec.serving import RunningServer, start_server, wait_until_serving
 from specdec.tokenizer_fingerprint import describe, first_difference, load_tokenizer_files, tokenizer_fingerprint
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -26,8 +29,9 @@ class TokenizerMismatch(FailedPrecondition):
 
 @dataclass
 class CoordinatorConfig:
-    drafter: str | None             # address; None = target-only service
+    drafter: str | None             # address; None = no draft model
     verifier: str
+    proposer: str = "drafter"       # "drafter" (the draft model service) or "ngram" (prompt lookup)
     gamma: int = 4
     max_new_tokens: int = 128
     connect_timeout_s: float = 300.0
@@ -67,23 +71,32 @@ class Backends:
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, backends: Backends, config: CoordinatorConfig):
         self.backends = backends
+        self.config = config
         target, draft = backends.target_info, backends.draft_info
+        if config.proposer == "ngram":
+            max_gamma = MAX_PROPOSE_TOKENS
+        elif config.proposer == "drafter":
+            max_gamma = draft.max_propose_tokens if draft else 0
+        else:
+            raise ValueError(f"unknown proposer {config.proposer!r}; expected 'drafter' or 'ngram'")
         self.limits = Limits(
             vocab_size=target.vocab_size, max_context=target.max_context,
-            default_max_new_tokens=config.max_new_tokens, default_gamma=config.gamma,
-            max_gamma=draft.max_propose_tokens if draft else 0)
+            default_max_new_tokens=config.max_new_tokens, default_gamma=config.gamma, max_gamma=max_gamma)
         self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids))
 
+    def _proposer(self, timeout) -> Proposer:
+        if self.config.proposer == "ngram":
+            return NgramProposer(self.limits.vocab_size)
+        return RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint, timeout)
+
     def _updates(self, request, context):
-        domain = to_domain(request, self.backends.tokenizer, self.limits, self.backends.drafter is not None)
+        domain = to_domain(request, self.backends.tokenizer, self.limits, self.limits.max_gamma > 0)
         def timeout() -> float | None:
             remaining = context.time_remaining()
             if remaining is None or remaining > 1e6:  # no deadline set by the client
                 return None
             return remaining
-        proposer = (RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint,
-                                        timeout) if domain.gamma > 0 else None)
-        return self.engine.generate(domain, proposer, timeout)
+        return self.engine.generate(domain, self._proposer(timeout) if domain.gamma > 0 else None, timeout)
 
     def Generate(self, request, context) -> coordinator_pb2.GenerateResponse:
         text, token_ids, last = [], [], None

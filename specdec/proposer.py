@@ -8,7 +8,7 @@ distributions they were sampled from.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from specdec.sampling import SamplingConfig
@@ -28,7 +28,6 @@ class Proposal:
     # distributions the tokens were sampled from (see specdec.wire).
     draft_probs_fp16: bytes = b""
     vocab_size: int = 0
-    elapsed_ms: float = field(default=0.0, compare=False)
 
 
 class Proposer(abc.ABC):

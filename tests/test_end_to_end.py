@@ -181,3 +181,32 @@ def test_sampled_first_two_tokens_follow_the_target_distribution(stack, tiny_tar
     draft_p1, _ = exact_first_two_token_distribution(tiny_draft, prompt_ids)
     tv_target, tv_draft = total_variation(first, p1, RUNS), total_variation(first, draft_p1, RUNS)
     assert tv_target < 0.06 and tv_draft > 2 * tv_target, (tv_target, tv_draft)
+
+
+@pytest.fixture(scope="module")
+def int8_stub(stack):
+    import drafter.service
+    from coordinator.service import CoordinatorConfig, serve
+    from specdec.models import load_model
+    from specdec.serving import channel
+    from specdec.v1 import coordinator_pb2_grpc
+    draft = drafter.service.serve(load_model("tiny-draft", quantize="int8"))
+    running, backends = serve(CoordinatorConfig(drafter=f"127.0.0.1:{draft.port}",
+                                                verifier=stack.address(stack.verifier), connect_timeout_s=30))
+    with channel(f"127.0.0.1:{running.port}") as ch:
+        yield coordinator_pb2_grpc.CoordinatorStub(ch)
+    backends.close()
+    running.stop(0)
+    draft.stop(0)
+
+
+def test_int8_drafter_output_is_still_the_targets(stack, int8_stub):
+    """However the draft is quantized, the verifier decides: output is unchanged."""
+    drafted = accepted = 0
+    for prompt in PROMPTS[:6]:
+        reference = generate(stack.coordinator_stub, prompt, speculate=False)
+        speculative = generate(int8_stub, prompt, speculate=True, gamma=3)
+        assert list(speculative.token_ids) == list(reference.token_ids), prompt
+        drafted += speculative.stats.draft_tokens
+        accepted += speculative.stats.accepted_tokens
+    assert 0 < accepted < drafted

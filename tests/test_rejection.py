@@ -54,6 +54,7 @@ PAIRS = {
     "far": (_dist([20, 5, 1, 1, 1, 1, 1, 1]), _dist([1, 1, 1, 1, 1, 1, 5, 20])),
     "disjoint supports": (_dist([1, 1, 1, 1, 0, 0, 0, 0]), _dist([0, 0, 0, 0, 1, 2, 3, 4])),
     "draft narrower": (_dist([1, 2, 3, 4, 5, 6, 7, 8]), _dist([0, 0, 0, 0, 0, 0, 1, 1])),
+    "one-hot draft (n-gram)": (_dist([1, 2, 3, 4, 5, 6, 7, 8]), _dist([0, 0, 0, 0, 0, 1, 0, 0])),
     "top-k target, full draft": (_truncated(LOGITS_T, top_k=3), _truncated(LOGITS_D)),
     "top-p both": (_truncated(LOGITS_T, top_p=0.8), _truncated(LOGITS_D, top_p=0.7)),
     "top-k draft, top-p target": (_truncated(LOGITS_T, top_p=0.9), _truncated(LOGITS_D, top_k=2)),
