@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import grpc
 
 from specdec.errors import FailedPrecondition
 from specdec.model_service import MAX_PROPOSE_TOKENS

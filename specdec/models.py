@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from specdec import tiny
 from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.kv_cache import SequenceCache
 from specdec.tokenizer_fingerprint import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,5 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
 
 def warm_up(loaded: LoadedModel) -> None:
     """One short forward so the first request does not pay for lazy init."""
-    from specdec.kv_cache import SequenceCache
     ids = loaded.tokenizer.encode("warm up", add_special_tokens=False) or [0]
     SequenceCache(loaded, ids).forward([], keep_last=1)

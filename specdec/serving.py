@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -99,7 +100,6 @@ def run_until_signal(running: RunningServer, grace_s: float = 10.0, on_stop: Cal
 
 def wait_until_serving(address: str, timeout_s: float, service: str = "") -> None:
     """Block until `address` reports SERVING, or raise TimeoutError."""
-    import time
     deadline = time.monotonic() + timeout_s
     with channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import collections
 
-import numpy as np
 import pytest
 import torch
 from scipy import stats
@@ -210,3 +209,16 @@ def test_int8_drafter_output_is_still_the_targets(stack, int8_stub):
         drafted += speculative.stats.draft_tokens
         accepted += speculative.stats.accepted_tokens
     assert 0 < accepted < drafted
+
+
+def test_concurrent_requests_stay_exact_and_leave_no_sessions(stack):
+    import concurrent.futures
+    from specdec.v1 import common_pb2 as c
+    references = [list(generate(stack.coordinator_stub, p, speculate=False, max_new_tokens=24).token_ids)
+                  for p in PROMPTS[:6]]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        outputs = list(pool.map(lambda p: list(generate(stack.coordinator_stub, p, speculate=True,
+                                                        max_new_tokens=24).token_ids), PROMPTS[:6] * 2))
+    assert outputs == references * 2
+    for stub in (stack.drafter_stub, stack.verifier_stub):
+        assert stub.Info(c.InfoRequest(), timeout=5).active_sessions == 0

@@ -1,0 +1,38 @@
+"""A drafter that comes back with another tokenizer is caught on the next session."""
+from __future__ import annotations
+
+import grpc
+
+import drafter.service
+from coordinator.service import CoordinatorConfig, serve
+from specdec.models import load_model
+from specdec.serving import channel
+from specdec.v1 import coordinator_pb2 as pb, coordinator_pb2_grpc
+from tests.conftest import free_port, rpc_error
+
+
+def test_swapped_drafter_is_refused_with_failed_precondition(stack):
+    port = free_port()
+    first = drafter.service.serve(load_model("tiny-draft"), port=port)
+    running, backends = serve(CoordinatorConfig(drafter=f"127.0.0.1:{port}", verifier=stack.address(stack.verifier),
+                                                connect_timeout_s=30))
+    swapped = None
+    try:
+        with channel(f"127.0.0.1:{running.port}") as ch:
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            request = pb.GenerateRequest(prompt="The quick brown fox", max_new_tokens=8)
+            assert len(stub.Generate(request, timeout=30).token_ids) == 8
+            first.stop(0)
+            swapped = drafter.service.serve(load_model("tiny-mismatch-draft"), port=port)
+            error = rpc_error(stub.Generate, request, timeout=30)
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "now has tokenizer" in error.details() and "not the target's" in error.details()
+            # Target-only requests do not need the drafter and still work.
+            request.speculation.disabled = True
+            assert len(stub.Generate(request, timeout=30).token_ids) == 8
+    finally:
+        backends.close()
+        running.stop(0)
+        for server in (first, swapped):
+            if server:
+                server.stop(0)
