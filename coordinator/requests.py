@@ -73,7 +73,8 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
     gamma = request.speculation.gamma or limits.default_gamma
     if gamma > limits.max_gamma:
         raise InvalidArgument(f"speculation.gamma={gamma} is over the drafter's limit of {limits.max_gamma}")
-    if request.speculation.disabled or not speculation_available:
+    enabled = not request.speculation.HasField("enabled") or request.speculation.enabled
+    if not enabled or not speculation_available:
         gamma = 0
     return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop)
 

@@ -115,7 +115,8 @@ def build_request(args: argparse.Namespace) -> coordinator_pb2.GenerateRequest:
     if args.seed is not None:
         sampling.seed = args.seed
     request.sampling.CopyFrom(sampling)
-    request.speculation.disabled = args.no_speculation
+    if args.no_speculation:
+        request.speculation.enabled = False
     request.speculation.gamma = args.gamma or 0
     return request
 

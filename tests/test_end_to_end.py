@@ -33,7 +33,7 @@ def generate(stub, prompt: str, *, speculate: bool, gamma: int = 4, max_new_toke
         params.seed = seed
     return stub.Generate(pb.GenerateRequest(
         prompt=prompt, max_new_tokens=max_new_tokens, sampling=params,
-        speculation=pb.Speculation(disabled=not speculate, gamma=gamma)), timeout=60)
+        speculation=pb.Speculation(enabled=speculate, gamma=gamma)), timeout=60)
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 5])

@@ -28,7 +28,7 @@ def test_swapped_drafter_is_refused_with_failed_precondition(stack):
             assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "now has tokenizer" in error.details() and "not the target's" in error.details()
             # Target-only requests do not need the drafter and still work.
-            request.speculation.disabled = True
+            request.speculation.enabled = False
             assert len(stub.Generate(request, timeout=30).token_ids) == 8
     finally:
         backends.close()

@@ -40,12 +40,12 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Speculation(_message.Message):
-    __slots__ = ("disabled", "gamma")
-    DISABLED_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("enabled", "gamma")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
-    disabled: bool
+    enabled: bool
     gamma: int
-    def __init__(self, disabled: _Optional[bool] = ..., gamma: _Optional[int] = ...) -> None: ...
+    def __init__(self, enabled: _Optional[bool] = ..., gamma: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "messages", "token_ids", "max_new_tokens", "stop", "sampling", "speculation")
