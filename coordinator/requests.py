@@ -70,12 +70,12 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
     if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
         raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of up to "
                               f"{MAX_STOP_CHARS} characters")
-    gamma = request.speculation.gamma or limits.default_gamma
-    if gamma > limits.max_gamma:
-        raise InvalidArgument(f"speculation.gamma={gamma} is over the drafter's limit of {limits.max_gamma}")
     enabled = not request.speculation.HasField("enabled") or request.speculation.enabled
-    if not enabled or not speculation_available:
-        gamma = 0
+    gamma = 0  # target-only, asked for or because this coordinator has no proposer
+    if enabled and speculation_available:
+        gamma = request.speculation.gamma or limits.default_gamma
+        if gamma > limits.max_gamma:
+            raise InvalidArgument(f"speculation.gamma={gamma} is over the proposer's limit of {limits.max_gamma}")
     return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop)
 
 

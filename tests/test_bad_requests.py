@@ -40,7 +40,7 @@ BAD_GENERATE = {
     "zero repetition penalty": (pb.GenerateRequest(prompt="hi", sampling=sampling(repetition_penalty=0)),
                                 "repetition_penalty"),
     "gamma over limit": (pb.GenerateRequest(prompt="hi", speculation=pb.Speculation(gamma=1000)),
-                         "speculation.gamma=1000 is over the drafter's limit of 32"),
+                         "speculation.gamma=1000 is over the proposer's limit of 32"),
     "empty stop string": (pb.GenerateRequest(prompt="hi", stop=[""]), "stop takes at most"),
 }
 
