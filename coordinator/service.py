@@ -35,6 +35,10 @@ class CoordinatorConfig:
     max_new_tokens: int = 128
     connect_timeout_s: float = 300.0
 
+    def __post_init__(self) -> None:
+        if self.proposer not in ("drafter", "ngram"):
+            raise ValueError(f"unknown proposer {self.proposer!r}; expected 'drafter' or 'ngram'")
+
 
 class Backends:
     """The two model services, checked to be compatible."""
@@ -72,12 +76,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.backends = backends
         self.config = config
         target, draft = backends.target_info, backends.draft_info
-        if config.proposer == "ngram":
-            max_gamma = MAX_PROPOSE_TOKENS
-        elif config.proposer == "drafter":
-            max_gamma = draft.max_propose_tokens if draft else 0
-        else:
-            raise ValueError(f"unknown proposer {config.proposer!r}; expected 'drafter' or 'ngram'")
+        max_gamma = MAX_PROPOSE_TOKENS if config.proposer == "ngram" else (draft.max_propose_tokens if draft else 0)
         self.limits = Limits(
             vocab_size=target.vocab_size, max_context=target.max_context,
             default_max_new_tokens=config.max_new_tokens, default_gamma=config.gamma, max_gamma=max_gamma)

@@ -93,11 +93,13 @@ def transform_logits(
     if not steps:
         return scores
     out = torch.empty_like(scores)
-    prefix = list(history)
+    # Only the repetition penalty reads the history; skip building it otherwise.
+    needs_history = config.repetition_penalty != 1.0
+    prefix = list(history) if needs_history else []
     for i in range(n):
         ids = torch.tensor([prefix], dtype=torch.long, device=scores.device)
         out[i] = steps(ids, scores[i : i + 1].clone())[0]
-        if i < len(row_tokens):
+        if needs_history and i < len(row_tokens):
             prefix.append(int(row_tokens[i]))
     return out
 

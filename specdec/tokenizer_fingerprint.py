@@ -56,6 +56,10 @@ def _first_index(a: list, b: list) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _at(items: list, i: int):
+    return items[i] if i < len(items) else "<none>"
+
+
 def first_difference(draft: dict[str, Any], target: dict[str, Any]) -> str | None:
     """The first difference between two descriptions, or None if identical."""
     dv, tv = draft["vocab"], target["vocab"]
@@ -71,13 +75,11 @@ def first_difference(draft: dict[str, Any], target: dict[str, Any]) -> str | Non
         return f"{prefix}id {i}: draft {dv[i]!r} vs target {tv[i]!r}"
     i = _first_index(draft["merges"], target["merges"])
     if i is not None:
-        dm = draft["merges"][i] if i < len(draft["merges"]) else "<none>"
-        tm = target["merges"][i] if i < len(target["merges"]) else "<none>"
+        dm, tm = _at(draft["merges"], i), _at(target["merges"], i)
         return f"merge {i}: draft {dm!r} vs target {tm!r} ({len(draft['merges'])} vs {len(target['merges'])} merges)"
     i = _first_index(draft["added_tokens"], target["added_tokens"])
     if i is not None:
-        da = draft["added_tokens"][i] if i < len(draft["added_tokens"]) else "<none>"
-        ta = target["added_tokens"][i] if i < len(target["added_tokens"]) else "<none>"
+        da, ta = _at(draft["added_tokens"], i), _at(target["added_tokens"], i)
         return f"added token {i} [id, content, special]: draft {da} vs target {ta}"
     for name in ("bos", "eos", "pad", "unk"):
         d, t = draft["special_ids"].get(name), target["special_ids"].get(name)

@@ -2,8 +2,10 @@
 on loopback ports (in this process, so a test run stays fast)."""
 from __future__ import annotations
 
+import contextlib
 import socket
 from dataclasses import dataclass
+from typing import Iterator
 
 import grpc
 import pytest
@@ -65,3 +67,15 @@ def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         call(*args, **kwargs)
     return info.value
+
+
+@contextlib.contextmanager
+def coordinator_stub(**config) -> Iterator[coordinator_pb2_grpc.CoordinatorStub]:
+    """A coordinator on a loopback port over the given backends, stopped afterwards."""
+    running, backends = serve_coordinator(CoordinatorConfig(connect_timeout_s=30, **config))
+    try:
+        with channel(f"127.0.0.1:{running.port}") as ch:
+            yield coordinator_pb2_grpc.CoordinatorStub(ch)
+    finally:
+        backends.close()
+        running.stop(0)

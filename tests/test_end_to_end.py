@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 
 import pytest
 import torch
 from scipy import stats
 
+import drafter.service
+from specdec.models import load_model
 from specdec.sampling import SamplingConfig, scores_to_probs, transform_logits
 from specdec.v1 import common_pb2, coordinator_pb2 as pb
+from tests.conftest import coordinator_stub
 
 PROMPTS = [
     "Write a function that returns the sum of two numbers.",
@@ -36,20 +40,24 @@ def generate(stub, prompt: str, *, speculate: bool, gamma: int = 4, max_new_toke
         speculation=pb.Speculation(enabled=speculate, gamma=gamma)), timeout=60)
 
 
-@pytest.mark.parametrize("gamma", [1, 3, 5])
-def test_greedy_speculative_output_equals_target_only(stack, gamma):
-    equal, drafted, accepted = 0, 0, 0
-    for prompt in PROMPTS:
-        reference = generate(stack.coordinator_stub, prompt, speculate=False)
-        speculative = generate(stack.coordinator_stub, prompt, speculate=True, gamma=gamma)
+def assert_greedy_equal(reference_stub, speculative_stub, prompts, gamma: int, max_new_tokens: int = 40) -> None:
+    """Speculative ids equal target-only ids on every prompt, and drafts were both
+    accepted and rejected along the way (so both paths were exercised)."""
+    drafted = accepted = 0
+    for prompt in prompts:
+        reference = generate(reference_stub, prompt, speculate=False, max_new_tokens=max_new_tokens)
+        speculative = generate(speculative_stub, prompt, speculate=True, gamma=gamma, max_new_tokens=max_new_tokens)
         assert list(speculative.token_ids) == list(reference.token_ids), prompt
         assert speculative.text == reference.text
-        equal += 1
         drafted += speculative.stats.draft_tokens
         accepted += speculative.stats.accepted_tokens
-    assert equal == len(PROMPTS) >= 10
-    # Both paths were exercised: some drafts accepted, some rejected.
     assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_greedy_speculative_output_equals_target_only(stack, gamma):
+    assert len(PROMPTS) >= 10
+    assert_greedy_equal(stack.coordinator_stub, stack.coordinator_stub, PROMPTS, gamma)
 
 
 def test_stats_are_consistent(stack):
@@ -182,38 +190,17 @@ def test_sampled_first_two_tokens_follow_the_target_distribution(stack, tiny_tar
     assert tv_target < 0.06 and tv_draft > 2 * tv_target, (tv_target, tv_draft)
 
 
-@pytest.fixture(scope="module")
-def int8_stub(stack):
-    import drafter.service
-    from coordinator.service import CoordinatorConfig, serve
-    from specdec.models import load_model
-    from specdec.serving import channel
-    from specdec.v1 import coordinator_pb2_grpc
-    draft = drafter.service.serve(load_model("tiny-draft", quantize="int8"))
-    running, backends = serve(CoordinatorConfig(drafter=f"127.0.0.1:{draft.port}",
-                                                verifier=stack.address(stack.verifier), connect_timeout_s=30))
-    with channel(f"127.0.0.1:{running.port}") as ch:
-        yield coordinator_pb2_grpc.CoordinatorStub(ch)
-    backends.close()
-    running.stop(0)
-    draft.stop(0)
-
-
-def test_int8_drafter_output_is_still_the_targets(stack, int8_stub):
+def test_int8_drafter_output_is_still_the_targets(stack):
     """However the draft is quantized, the verifier decides: output is unchanged."""
-    drafted = accepted = 0
-    for prompt in PROMPTS[:6]:
-        reference = generate(stack.coordinator_stub, prompt, speculate=False)
-        speculative = generate(int8_stub, prompt, speculate=True, gamma=3)
-        assert list(speculative.token_ids) == list(reference.token_ids), prompt
-        drafted += speculative.stats.draft_tokens
-        accepted += speculative.stats.accepted_tokens
-    assert 0 < accepted < drafted
+    draft = drafter.service.serve(load_model("tiny-draft", quantize="int8"))
+    try:
+        with coordinator_stub(drafter=f"127.0.0.1:{draft.port}", verifier=stack.address(stack.verifier)) as stub:
+            assert_greedy_equal(stack.coordinator_stub, stub, PROMPTS[:6], gamma=3)
+    finally:
+        draft.stop(0)
 
 
 def test_concurrent_requests_stay_exact_and_leave_no_sessions(stack):
-    import concurrent.futures
-    from specdec.v1 import common_pb2 as c
     references = [list(generate(stack.coordinator_stub, p, speculate=False, max_new_tokens=24).token_ids)
                   for p in PROMPTS[:6]]
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -221,4 +208,4 @@ def test_concurrent_requests_stay_exact_and_leave_no_sessions(stack):
                                                         max_new_tokens=24).token_ids), PROMPTS[:6] * 2))
     assert outputs == references * 2
     for stub in (stack.drafter_stub, stack.verifier_stub):
-        assert stub.Info(c.InfoRequest(), timeout=5).active_sessions == 0
+        assert stub.Info(common_pb2.InfoRequest(), timeout=5).active_sessions == 0

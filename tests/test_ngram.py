@@ -4,14 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.service import CoordinatorConfig, serve
 from specdec.ngram import NgramProposer
 from specdec.proposer import Commit
 from specdec.sampling import SamplingConfig
-from specdec.serving import channel
-from specdec.v1 import coordinator_pb2_grpc
 from specdec.wire import decode_probs
-from tests.test_end_to_end import PROMPTS, generate
+from tests.conftest import coordinator_stub
+from tests.test_end_to_end import PROMPTS, assert_greedy_equal, generate
 
 
 def test_proposes_what_followed_the_latest_match():
@@ -33,23 +31,12 @@ def test_no_match_proposes_nothing():
 
 @pytest.fixture(scope="module")
 def ngram_stub(stack):
-    running, backends = serve(CoordinatorConfig(drafter=None, verifier=stack.address(stack.verifier),
-                                                proposer="ngram", connect_timeout_s=30))
-    with channel(f"127.0.0.1:{running.port}") as ch:
-        yield coordinator_pb2_grpc.CoordinatorStub(ch)
-    backends.close()
-    running.stop(0)
+    with coordinator_stub(drafter=None, verifier=stack.address(stack.verifier), proposer="ngram") as stub:
+        yield stub
 
 
 def test_greedy_ngram_speculation_equals_target_only(stack, ngram_stub):
-    drafted = accepted = 0
-    for prompt in PROMPTS:
-        reference = generate(stack.coordinator_stub, prompt, speculate=False, max_new_tokens=60)
-        speculative = generate(ngram_stub, prompt, speculate=True, gamma=4, max_new_tokens=60)
-        assert list(speculative.token_ids) == list(reference.token_ids), prompt
-        drafted += speculative.stats.draft_tokens
-        accepted += speculative.stats.accepted_tokens
-    assert 0 < accepted < drafted
+    assert_greedy_equal(stack.coordinator_stub, ngram_stub, PROMPTS, gamma=4, max_new_tokens=60)
 
 
 def test_sampled_ngram_speculation_runs_and_is_seeded(ngram_stub):

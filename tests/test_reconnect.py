@@ -4,22 +4,17 @@ from __future__ import annotations
 import grpc
 
 import drafter.service
-from coordinator.service import CoordinatorConfig, serve
 from specdec.models import load_model
-from specdec.serving import channel
-from specdec.v1 import coordinator_pb2 as pb, coordinator_pb2_grpc
-from tests.conftest import free_port, rpc_error
+from specdec.v1 import coordinator_pb2 as pb
+from tests.conftest import coordinator_stub, free_port, rpc_error
 
 
 def test_swapped_drafter_is_refused_with_failed_precondition(stack):
     port = free_port()
     first = drafter.service.serve(load_model("tiny-draft"), port=port)
-    running, backends = serve(CoordinatorConfig(drafter=f"127.0.0.1:{port}", verifier=stack.address(stack.verifier),
-                                                connect_timeout_s=30))
     swapped = None
     try:
-        with channel(f"127.0.0.1:{running.port}") as ch:
-            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        with coordinator_stub(drafter=f"127.0.0.1:{port}", verifier=stack.address(stack.verifier)) as stub:
             request = pb.GenerateRequest(prompt="The quick brown fox", max_new_tokens=8)
             assert len(stub.Generate(request, timeout=30).token_ids) == 8
             first.stop(0)
@@ -31,8 +26,6 @@ def test_swapped_drafter_is_refused_with_failed_precondition(stack):
             request.speculation.enabled = False
             assert len(stub.Generate(request, timeout=30).token_ids) == 8
     finally:
-        backends.close()
-        running.stop(0)
         for server in (first, swapped):
             if server:
                 server.stop(0)
