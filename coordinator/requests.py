@@ -83,8 +83,9 @@ def stats_to_proto(stats: Stats) -> coordinator_pb2.GenerationStats:
     return coordinator_pb2.GenerationStats(
         rounds=stats.rounds, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
         acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length,
-        acceptance_by_position=stats.acceptance_by_position, draft_ms=stats.draft_ms, verify_ms=stats.verify_ms,
-        overhead_ms=stats.overhead_ms, total_ms=stats.total_ms, tokens_per_second=stats.tokens_per_second,
+        acceptance_by_position=stats.acceptance_by_position, prefill_ms=stats.prefill_ms, draft_ms=stats.draft_ms,
+        verify_ms=stats.verify_ms, overhead_ms=stats.overhead_ms, total_ms=stats.total_ms,
+        tokens_per_second=stats.tokens_per_second,
         prompt_tokens=stats.prompt_tokens, gamma=stats.gamma)
 
 

