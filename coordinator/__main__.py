@@ -12,6 +12,14 @@ from specdec.serving import run_until_signal
 from coordinator.service import CoordinatorConfig, serve
 
 
+def parse_gamma(value: str) -> int | None:
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"--gamma takes auto or a positive integer, not {value!r}")
+    return int(value)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m coordinator", description="specdec coordinator (public API)")
     parser.add_argument("--verifier", required=True, help="verifier address HOST:PORT")
@@ -20,7 +28,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="who drafts: the drafter service, or prompt lookup (no draft model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
-    parser.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    parser.add_argument("--gamma", default="auto", type=parse_gamma,
+                        help="draft tokens per round: auto (adapted per request from rolling acceptance) or N")
+    parser.add_argument("--gamma-max", type=int, default=8, help="the most draft tokens auto picks per round")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default when a request sets none")
     parser.add_argument("--connect-timeout", type=float, default=300.0,
                         help="seconds to wait for the drafter and verifier to be SERVING")
@@ -28,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("coordinator")
     log = logging.getLogger("coordinator")
     config = CoordinatorConfig(drafter=args.drafter, verifier=args.verifier, proposer=args.proposer, gamma=args.gamma,
-                               max_new_tokens=args.max_new_tokens, connect_timeout_s=args.connect_timeout)
+                               gamma_max=args.gamma_max, max_new_tokens=args.max_new_tokens, connect_timeout_s=args.connect_timeout)
     try:
         running, backends = serve(config, host=args.host, port=args.port)
     except (SpecdecError, TimeoutError) as exc:

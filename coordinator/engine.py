@@ -17,6 +17,7 @@ from specdec.sampling import SamplingConfig
 from specdec import telemetry
 
 from coordinator.clients import VerifierClient
+from coordinator.gamma import GammaController, GammaPriors
 from coordinator.output import Delta, OutputAccumulator
 
 DECODE_CHUNK = 16  # target-only tokens per Decode call (one streamed message each)
@@ -27,8 +28,9 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     sampling: SamplingConfig
-    gamma: int                      # 0 = target-only decoding
+    gamma: int                      # 0 = target-only decoding; the upper bound when adaptive
     stop: tuple[str, ...] = ()
+    adaptive: bool = False          # γ chosen per round by a GammaController
 
 
 @dataclass
@@ -90,6 +92,7 @@ class SpeculativeEngine:
         self.verifier = verifier
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.gamma_priors = GammaPriors()  # what earlier requests learned about γ
 
     def generate(self, request: GenerationRequest, proposer: Proposer | None,
                  timeout: Callable[[], float | None] = lambda: None) -> Iterator[Update]:
@@ -121,23 +124,35 @@ class SpeculativeEngine:
 
     def _speculative_rounds(self, session_id: str, request: GenerationRequest, proposer: Proposer, stats: Stats,
                             output: OutputAccumulator, timeout) -> Iterator[list[int]]:
+        controller = GammaController(request.gamma, self.gamma_priors.start(request.sampling)) \
+            if request.adaptive else None
+        try:
+            yield from self._rounds(session_id, request, proposer, stats, output, timeout, controller)
+        finally:
+            if controller is not None:
+                self.gamma_priors.finish(request.sampling, controller.state)
+
+    def _rounds(self, session_id, request, proposer, stats, output, timeout, controller) -> Iterator[list[int]]:
         commit: Commit | None = None  # what the proposer has not yet been told
         while True:
             with telemetry.tracer.start_as_current_span("round") as span:
-                # 1. The verifier always adds one token, so draft at most remaining - 1.
+                # 1. Choose γ (fixed, or by the controller); the verifier always adds one token.
                 remaining = request.max_new_tokens - len(output.token_ids)
-                gamma = max(0, min(request.gamma, remaining - 1))
+                limit = max(0, remaining - 1)
+                gamma = controller.next_gamma(limit) if controller else min(request.gamma, limit)
                 # 2. Propose gamma tokens; the previous round's commit rides on the call.
-                proposal = Proposal(())
+                proposal, draft_ms = Proposal(()), 0.0
                 if gamma > 0:
                     started = time.perf_counter()
                     proposal = proposer.propose(gamma, request.sampling, commit)
-                    stats.draft_ms += (time.perf_counter() - started) * 1e3
+                    draft_ms = (time.perf_counter() - started) * 1e3
                     commit = None
                 # 3. Verify: one target forward pass over the draft, then the rejection sampler.
                 started = time.perf_counter()
                 verdict = self.verifier.verify(session_id, proposal, request.sampling, timeout())
-                stats.verify_ms += (time.perf_counter() - started) * 1e3
+                verify_ms = (time.perf_counter() - started) * 1e3
+                stats.draft_ms += draft_ms
+                stats.verify_ms += verify_ms
                 # 4. The round's tokens: accepted drafts, then the recovered or bonus token.
                 accepted = list(proposal.token_ids[: verdict.num_accepted])
                 new_tokens = accepted + [verdict.next_token_id]
@@ -148,6 +163,9 @@ class SpeculativeEngine:
                     commit = Commit(commit.num_accepted, commit.target_token_ids + (verdict.next_token_id,))
                 drafted = len(proposal.token_ids)  # a proposer may offer fewer than gamma
                 stats.record_round(drafted, verdict.num_accepted)
+                if controller is not None:
+                    stats.gamma = gamma  # adaptive: the γ of the latest round
+                    controller.observe(drafted, verdict.num_accepted, draft_ms, verify_ms)
                 span.set_attributes({"specdec.round.index": stats.rounds - 1, "specdec.gamma": gamma,
                                      "specdec.draft_tokens": drafted, "specdec.accepted_tokens": verdict.num_accepted,
                                      "specdec.bonus": verdict.bonus})

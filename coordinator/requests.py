@@ -21,8 +21,10 @@ class Limits:
     vocab_size: int
     max_context: int          # the target's
     default_max_new_tokens: int
-    default_gamma: int
-    max_gamma: int
+    default_gamma: int | None  # None: adaptive (see coordinator.gamma)
+    max_gamma: int             # the proposer's limit
+    gamma_max: int = 8         # adaptive γ ranges over [0, gamma_max]
+    seeded_gamma: int = 4      # adaptive γ follows timing, so seeded sampling keeps a fixed γ
 
 
 def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer, vocab_size: int) -> list[int]:
@@ -71,12 +73,17 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
         raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of up to "
                               f"{MAX_STOP_CHARS} characters")
     enabled = not request.speculation.HasField("enabled") or request.speculation.enabled
-    gamma = 0  # target-only, asked for or because this coordinator has no proposer
+    gamma, adaptive = 0, False  # target-only, asked for or because this coordinator has no proposer
     if enabled and speculation_available:
         gamma = request.speculation.gamma or limits.default_gamma
+        if gamma is None and sampling.seed is not None and not sampling.greedy:
+            # γ chosen from timings would make a seeded sample depend on machine load.
+            gamma = min(limits.seeded_gamma, limits.max_gamma)
+        if gamma is None:
+            gamma, adaptive = min(limits.gamma_max, limits.max_gamma), True
         if gamma > limits.max_gamma:
             raise InvalidArgument(f"speculation.gamma={gamma} is over the proposer's limit of {limits.max_gamma}")
-    return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop)
+    return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop, adaptive)
 
 
 def stats_to_proto(stats: Stats) -> coordinator_pb2.GenerationStats:

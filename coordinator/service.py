@@ -31,7 +31,8 @@ class CoordinatorConfig:
     drafter: str | None             # address; None = no draft model
     verifier: str
     proposer: str = "drafter"       # "drafter" (the draft model service) or "ngram" (prompt lookup)
-    gamma: int = 4
+    gamma: int | None = None         # None: adaptive per request; N: fixed
+    gamma_max: int = 8               # adaptive γ ranges over [0, gamma_max]
     max_new_tokens: int = 128
     connect_timeout_s: float = 300.0
 
@@ -79,7 +80,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         max_gamma = MAX_PROPOSE_TOKENS if config.proposer == "ngram" else (draft.max_propose_tokens if draft else 0)
         self.limits = Limits(
             vocab_size=target.vocab_size, max_context=target.max_context,
-            default_max_new_tokens=config.max_new_tokens, default_gamma=config.gamma, max_gamma=max_gamma)
+            default_max_new_tokens=config.max_new_tokens, default_gamma=config.gamma or None, max_gamma=max_gamma,
+            gamma_max=config.gamma_max)
         self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids))
 
     def _proposer(self, timeout) -> Proposer:

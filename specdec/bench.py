@@ -4,6 +4,7 @@ with the peers, in one run on one machine.
 Systems, run interleaved (each prompt runs every system before the next prompt,
 in an order rotated per prompt, so drift in machine load is shared):
   spec-gN      speculative decoding through the services, fixed gamma N
+  spec-auto    the same, gamma chosen per round by the coordinator's controller
   target-only  the same services with speculation off
   hf-generate  in-process transformers `generate()` with the same target weights
   hf-assisted  in-process transformers assisted generation, `assistant_model=`
@@ -32,7 +33,7 @@ from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 DEFAULT_QUESTIONS = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / \
     "questions_dev.jsonl"
-TARGET_ONLY, HF_GENERATE, HF_ASSISTED = "target-only", "hf-generate", "hf-assisted"
+TARGET_ONLY, HF_GENERATE, HF_ASSISTED, AUTO = "target-only", "hf-generate", "hf-assisted", "spec-auto"
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,10 @@ class ServiceSystems:
         request.sampling.CopyFrom(common_pb2.SamplingParams(temperature=temperature, seed=seed))
         if system == TARGET_ONLY:
             request.speculation.enabled = False
+        elif system == AUTO:
+            # No gamma: the coordinator's default, auto. A seeded sample would be
+            # served at a fixed gamma (reproducibility), so auto runs unseeded.
+            request.sampling.ClearField("seed")
         else:
             request.speculation.gamma = int(system.removeprefix("spec-g"))
         start = time.perf_counter()
@@ -184,14 +189,22 @@ def summarize(runs: list[Run], systems: list[str]) -> list[dict]:
 
 
 def best_gamma(rows: list[dict]) -> dict[str, dict[str, str]]:
-    best: dict[str, dict[str, str]] = defaultdict(dict)
+    """Per category and temperature: the fastest fixed γ, and auto's speed relative to it."""
+    best: dict[str, dict[str, tuple]] = defaultdict(dict)
+    auto = {(r["category"], r["temperature"]): r["tokens_per_second"] for r in rows if r["system"] == AUTO}
     for row in rows:
         if row["system"].startswith("spec-g"):
             key = f"T={row['temperature']:g}"
             current = best[row["category"]].get(key)
             if current is None or row["tokens_per_second"] > current[1]:
-                best[row["category"]][key] = (row["system"], row["tokens_per_second"])
-    return {c: {k: v[0] for k, v in temps.items()} for c, temps in best.items()}
+                best[row["category"]][key] = (row["system"], row["tokens_per_second"], row["temperature"])
+    picks: dict[str, dict[str, str]] = {}
+    for category, temps in best.items():
+        picks[category] = {}
+        for key, (system, speed, temperature) in temps.items():
+            ratio = auto.get((category, temperature))
+            picks[category][key] = system + (f" (auto {ratio / speed:.2f}x)" if ratio and speed else "")
+    return picks
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
@@ -214,7 +227,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
                     f"{r.get('speedup_vs_hf_assisted', 0):.2f}x | {r.get('acceptance_rate', '')} | "
                     f"{r.get('mean_accepted_length', '')} | {split} | {r.get('greedy_identical', '')} |")
             lines.append("")
-    lines += ["## best fixed gamma", "", "| category | " + " | ".join(meta["temperature_keys"]) + " |",
+    lines += ["## best fixed gamma (and auto's speed relative to it)", "", "| category | " + " | ".join(meta["temperature_keys"]) + " |",
               "|---|" + "---|" * len(meta["temperature_keys"])]
     for category, picks in meta["best_gamma"].items():
         lines.append(f"| {category} | " + " | ".join(picks.get(k, "") for k in meta["temperature_keys"]) + " |")
@@ -278,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     categories = args.categories.split(",") if args.categories else None
     questions = load_questions(args.questions, categories, args.limit)
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    systems = [f"spec-g{int(g)}" for g in args.gammas.split(",")] + [TARGET_ONLY]
+    systems = [f"spec-g{int(g)}" for g in args.gammas.split(",")] + [AUTO, TARGET_ONLY]
     if not args.no_hf:
         systems += [HF_GENERATE, HF_ASSISTED]
     say = lambda message: print(f"bench: {message}", file=sys.stderr, flush=True)  # noqa: E731

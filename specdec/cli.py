@@ -23,7 +23,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         pair=pair, draft_model=args.draft_model or pair.draft, target_model=args.target_model or pair.target,
         draft_quantize=args.draft_quantize or pair.draft_quantize,
         head_vocab=args.head_vocab if args.head_vocab is not None else pair.draft_head_vocab,
-        device=args.device, host=args.host, port=args.port, gamma=args.gamma, ready_timeout_s=args.ready_timeout)
+        device=args.device, host=args.host, port=args.port, gamma=args.gamma, gamma_max=args.gamma_max,
+        ready_timeout_s=args.ready_timeout)
     children: list[launcher.Child] = []
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -101,7 +102,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.stats:
         s = response.stats
         print(f"[{len(response.token_ids)} tokens, {s.tokens_per_second:.2f} tok/s, "
-              f"{coordinator_pb2.FinishReason.Name(response.finish_reason)}; {s.rounds} rounds at gamma {s.gamma}, "
+              f"{coordinator_pb2.FinishReason.Name(response.finish_reason)}; {s.rounds} rounds, {s.draft_tokens} drafted (last gamma {s.gamma}), "
               f"acceptance {s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}; "
               f"prefill {s.prefill_ms:.0f} ms, draft {s.draft_ms:.0f} ms, verify {s.verify_ms:.0f} ms, "
               f"overhead {s.overhead_ms:.0f} ms]", file=sys.stderr)
@@ -138,7 +139,8 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--target-model", help="overrides the pair's target model")
     up.add_argument("--draft-quantize", choices=["none", "int8"], help="overrides the pair's setting")
     up.add_argument("--head-vocab", type=int, help="overrides the pair's INT8 draft head restriction")
-    up.add_argument("--gamma", type=int, default=4)
+    up.add_argument("--gamma", default="auto", help="auto (adapted per request) or a fixed N")
+    up.add_argument("--gamma-max", type=int, default=8, help="the most draft tokens auto picks per round")
     up.add_argument("--host", default="127.0.0.1", help="coordinator bind address")
     up.add_argument("--port", type=int, default=50051, help="coordinator port")
     up.add_argument("--device", default="cpu", help="cpu or cuda")

@@ -73,7 +73,8 @@ class StackOptions:
     device: str = "cpu"
     host: str = "127.0.0.1"
     port: int = 50051
-    gamma: int = 4
+    gamma: str = "auto"
+    gamma_max: int = 8
     ready_timeout_s: float = 900.0
     threads: int = 0
 
@@ -98,5 +99,5 @@ def launch(options: StackOptions, children: list[Child]) -> Child:
     drafter, verifier = (wait_serving(child, options.ready_timeout_s) for child in children[-2:])
     children.append(spawn("coordinator", "coordinator", [
         "--drafter", drafter.address, "--verifier", verifier.address, "--host", options.host,
-        "--port", str(options.port), "--gamma", str(options.gamma)]))
+        "--port", str(options.port), "--gamma", str(options.gamma), "--gamma-max", str(options.gamma_max)]))
     return wait_serving(children[-1], options.ready_timeout_s)

@@ -210,3 +210,23 @@ def test_concurrent_requests_stay_exact_and_leave_no_sessions(stack):
     assert outputs == references * 2
     for stub in (stack.drafter_stub, stack.verifier_stub):
         assert stub.Info(common_pb2.InfoRequest(), timeout=5).active_sessions == 0
+
+
+def test_adaptive_gamma_is_lossless_and_seeded_samples_stay_reproducible(stack):
+    """The default coordinator γ is auto: greedy output still equals target-only,
+    and a seeded sample does not depend on timing (it runs at a fixed γ)."""
+    with coordinator_stub(drafter=stack.address(stack.drafter), verifier=stack.address(stack.verifier)) as auto:
+        gammas = set()
+        for prompt in PROMPTS[:6]:
+            request = pb.GenerateRequest(prompt=prompt, max_new_tokens=40,
+                                         sampling=common_pb2.SamplingParams(temperature=0))
+            speculative = auto.Generate(request, timeout=60)
+            reference = generate(stack.coordinator_stub, prompt, speculate=False)
+            assert list(speculative.token_ids) == list(reference.token_ids), prompt
+            gammas.add(speculative.stats.gamma)
+        assert gammas <= set(range(9))
+        seeded = pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=30,
+                                    sampling=common_pb2.SamplingParams(temperature=0.9, seed=77))
+        runs = [auto.Generate(seeded, timeout=60) for _ in range(2)]
+        assert list(runs[0].token_ids) == list(runs[1].token_ids)
+        assert runs[0].stats.gamma == 4 and runs[0].stats.draft_tokens > 0

@@ -1,0 +1,243 @@
+"""Choosing γ, the number of draft tokens per round, per request.
+
+Goodput is E[tokens per round] / E[round time]. With conditional acceptance
+a_i (draft i accepted, given drafts before it were),
+
+    E[tokens | γ] = 1 + sum_{k=1..γ} prod_{i=1..k} a_i,
+
+which is Leviathan et al.'s (1 - α^(γ+1)) / (1 - α) when every a_i = α. Round
+time is draft(γ) + verify(γ), each a line in γ fitted online from measured
+rounds (drafting costs per token; verifying γ tokens costs about one forward
+plus a little per token). γ = 0 is plain target decoding: no drafter call.
+
+* acceptance is an EWMA over per-position observations; per-position estimates
+  are shrunk toward the pooled one until they have data of their own;
+* hysteresis: γ moves only when the best γ beats the current one by a margin;
+* at γ = 0 nothing is observed, so a probe round drafts `probe_gamma` tokens
+  after `probe_every` rounds, with the interval doubling while probes fail;
+* a prior shared across requests, one per sampling regime (greedy, or a
+  temperature bucket): a request starts from the recent average and returns
+  what it learned when it ends.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass, field
+
+from specdec.sampling import SamplingConfig
+
+
+class EwLinearFit:
+    """y ≈ a + b·x, fitted with exponential forgetting.
+
+    While x does not vary (a fixed γ), a and b cannot be told apart, so a weak
+    prior on their ratio decides the split: `b_over_a` (verifying: each extra
+    token costs a small fraction of the forward) or `a_over_b` (drafting: the
+    fixed cost is a small fraction of a token's)."""
+
+    def __init__(self, *, default: tuple[float, float], b_over_a: float | None = None,
+                 a_over_b: float | None = None, decay: float = 0.98, weight: float = 0.1):
+        assert (b_over_a is None) != (a_over_b is None)
+        # The prior penalizes u·(a, b): b - r·a, or a - r·b.
+        self.u = (-b_over_a, 1.0) if b_over_a is not None else (1.0, -a_over_b)
+        self.default, self.decay, self.weight = default, decay, weight
+        self.sw = self.sx = self.sxx = self.sy = self.sxy = 0.0
+
+    def observe(self, x: float, y: float) -> None:
+        d = self.decay
+        self.sw, self.sx, self.sxx = d * self.sw + 1, d * self.sx + x, d * self.sxx + x * x
+        self.sy, self.sxy = d * self.sy + y, d * self.sxy + x * y
+
+    def coefficients(self) -> tuple[float, float]:
+        if self.sw == 0:
+            return self.default
+        # Normal equations of sum w (y - a - b x)^2 + λ S (u·(a, b))^2, S ~ x² (tokens²).
+        lam = self.weight * 16.0
+        ua, ub = self.u
+        m11, m12, m22 = self.sw + lam * ua * ua, self.sx + lam * ua * ub, self.sxx + lam * ub * ub
+        det = m11 * m22 - m12 * m12
+        return (self.sy * m22 - m12 * self.sxy) / det, (m11 * self.sxy - m12 * self.sy) / det
+
+    def __call__(self, x: float) -> float:
+        a, b = self.coefficients()
+        return max(0.0, a + b * x)
+
+
+@dataclass
+class CostModel:
+    """Round time in ms as a function of γ, learned from measured rounds."""
+    # Before any round is measured: a draft token at 1/4 of a target step,
+    # verifying γ tokens at one step plus 5% per token.
+    draft: EwLinearFit = field(default_factory=lambda: EwLinearFit(default=(1.0, 25.0), a_over_b=0.05))
+    verify: EwLinearFit = field(default_factory=lambda: EwLinearFit(default=(100.0, 5.0), b_over_a=0.05))
+
+    def observe(self, gamma: int, draft_ms: float, verify_ms: float) -> None:
+        if gamma > 0:
+            self.draft.observe(gamma, draft_ms)
+        self.verify.observe(gamma, verify_ms)
+
+    def round_ms(self, gamma: int) -> float:
+        return (self.draft(gamma) if gamma > 0 else 0.0) + self.verify(gamma)
+
+
+@dataclass
+class Acceptance:
+    """Pooled and per-position conditional acceptance, as EWMAs.
+
+    Each starts as a running mean (step 1/n) and becomes an EWMA once it has
+    1/rate observations, so the first rounds count fully and later ones forget.
+    """
+    alpha: float = 0.6
+    count: float = 10.0        # the prior alpha weighs like this many observations
+    by_position: list[float] = field(default_factory=list)
+    count_by_position: list[float] = field(default_factory=list)
+    rate: float = 0.04         # EWMA step: about the last 25 drafted positions
+    shrink: float = 5.0        # pseudo-observations pulling a position toward alpha
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        # Positions 1..accepted were accepted; position accepted+1 (if drafted) rejected.
+        for i in range(min(drafted, accepted + 1)):
+            hit = 1.0 if i < accepted else 0.0
+            self.count += 1
+            self.alpha += max(self.rate, 1 / self.count) * (hit - self.alpha)
+            while len(self.by_position) <= i:
+                self.by_position.append(self.alpha)
+                self.count_by_position.append(0.0)
+            self.count_by_position[i] += 1
+            self.by_position[i] += max(self.rate, 1 / self.count_by_position[i]) * (hit - self.by_position[i])
+
+    def age(self, factor: float) -> None:
+        """Forget a little while nothing is observed (γ = 0): the next probe's
+        observations then weigh like fresh evidence, not like one more sample."""
+        self.count *= factor
+        self.count_by_position = [n * factor for n in self.count_by_position]
+
+    def at(self, i: int) -> float:
+        if i >= len(self.by_position):
+            return self.alpha
+        n = self.count_by_position[i]
+        return (n * self.by_position[i] + self.shrink * self.alpha) / (n + self.shrink)
+
+    def expected_tokens(self, gamma: int) -> float:
+        total, run = 1.0, 1.0
+        for i in range(gamma):
+            run *= min(self.at(i), 0.999)
+            total += run
+        return total
+
+
+@dataclass
+class ControllerState:
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    cost: CostModel = field(default_factory=CostModel)
+    rounds: int = 0
+
+
+class GammaController:
+    """Per request: `next_gamma(limit)` before a round, `observe(...)` after it."""
+
+    def __init__(self, gamma_max: int, state: ControllerState | None = None, *, initial_gamma: int = 4,
+                 hysteresis: float = 0.04, probe_every: int = 8, probe_gamma: int = 2, warmup_rounds: int = 2,
+                 aging: float = 0.8):
+        self.gamma_max = gamma_max
+        self.state = state or ControllerState()
+        self.hysteresis, self.probe_gamma, self.warmup_rounds = hysteresis, probe_gamma, warmup_rounds
+        self.aging = aging
+        self.gamma = min(initial_gamma, gamma_max) if self.state.rounds < warmup_rounds else self.best()
+        self.probe_every = self.base_probe_every = probe_every
+        self.rounds_at_zero = 0
+        self.probing = False
+
+    def goodput(self, gamma: int) -> float:
+        """Expected tokens per second at this γ."""
+        return self.state.acceptance.expected_tokens(gamma) / max(self.state.cost.round_ms(gamma), 1e-6) * 1e3
+
+    def best(self) -> int:
+        return max(range(self.gamma_max + 1), key=self.goodput)
+
+    def next_gamma(self, limit: int | None = None) -> int:
+        gamma = self.gamma
+        self.probing = False
+        if gamma == 0 and self.rounds_at_zero >= self.probe_every:
+            gamma, self.probing = self.probe_gamma, True
+        if limit is not None:
+            gamma = max(0, min(gamma, limit))
+        return gamma
+
+    def observe(self, gamma: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
+        state = self.state
+        state.rounds += 1
+        state.cost.observe(gamma, draft_ms, verify_ms)
+        if gamma > 0:
+            state.acceptance.observe(gamma, accepted)
+        if state.rounds < self.warmup_rounds:
+            return
+        best = self.best()
+        if self.probing:
+            # The probe decides at once; failing probes back off exponentially.
+            self.rounds_at_zero = 0
+            if best == 0:
+                self.probe_every = min(2 * self.probe_every, 4 * self.base_probe_every)
+                return
+            self.gamma, self.probe_every = best, self.base_probe_every
+            return
+        if self.gamma == 0:
+            self.rounds_at_zero += 1
+            state.acceptance.age(self.aging)
+        if best != self.gamma and self.goodput(best) > self.goodput(self.gamma) * (1 + self.hysteresis):
+            self.gamma = best
+            self.rounds_at_zero = 0
+
+
+def regime(sampling: SamplingConfig) -> str:
+    """Acceptance depends on the sampling config: greedy, or a temperature bucket."""
+    if sampling.greedy:
+        return "greedy"
+    return f"T{min(round(sampling.temperature * 4) / 4, 2.0):.2f}"
+
+
+class GammaPriors:
+    """What requests learned, shared across requests: one state per regime (the
+    cost model is shared by all). A new request starts from a copy; when it ends
+    its state is blended back in."""
+
+    def __init__(self, blend: float = 0.5):
+        self.blend = blend
+        self.lock = threading.Lock()
+        self.acceptance: dict[str, Acceptance] = {}
+        self.cost = CostModel()
+        self.rounds = 0
+
+    def start(self, sampling: SamplingConfig) -> ControllerState:
+        with self.lock:
+            acceptance = copy.deepcopy(self.acceptance.get(regime(sampling), Acceptance()))
+            return ControllerState(acceptance, copy.deepcopy(self.cost), self.rounds)
+
+    def finish(self, sampling: SamplingConfig, state: ControllerState) -> None:
+        with self.lock:
+            key = regime(sampling)
+            if key not in self.acceptance:
+                self.acceptance[key] = copy.deepcopy(state.acceptance)
+            else:
+                prior, new, b = self.acceptance[key], state.acceptance, self.blend
+                prior.alpha += b * (new.alpha - prior.alpha)
+                prior.count = max(prior.count, new.count)
+                for i, value in enumerate(new.by_position):
+                    if i < len(prior.by_position):
+                        prior.by_position[i] += b * (value - prior.by_position[i])
+                        prior.count_by_position[i] = max(prior.count_by_position[i], new.count_by_position[i])
+                    else:
+                        prior.by_position.append(value)
+                        prior.count_by_position.append(new.count_by_position[i])
+            self.cost = copy.deepcopy(state.cost)  # timings are shared by every regime
+            self.rounds = max(self.rounds, state.rounds)
+
+
+def brute_force_best(alpha: float, round_ms, gamma_max: int) -> int:
+    """The optimum by the closed form, for tests and reports."""
+    def goodput(g: int) -> float:
+        tokens = (1 - alpha ** (g + 1)) / (1 - alpha) if alpha < 1 else g + 1
+        return tokens / round_ms(g)
+    return max(range(gamma_max + 1), key=goodput)
+
