@@ -5,6 +5,7 @@ import argparse
 import logging
 import sys
 
+from specdec import telemetry
 from specdec.cli_common import setup_logging
 from specdec.errors import SpecdecError
 from specdec.serving import run_until_signal
@@ -32,13 +33,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="draft tokens per round: auto (adapted per request from rolling acceptance) or N")
     parser.add_argument("--gamma-max", type=int, default=8, help="the most draft tokens auto picks per round")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default when a request sets none")
+    parser.add_argument("--trace-file", help="also write spans as OTLP-JSON lines to this file (tracing is off "
+                        "unless this or OTEL_EXPORTER_OTLP_ENDPOINT is set)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
     parser.add_argument("--connect-timeout", type=float, default=300.0,
                         help="seconds to wait for the drafter and verifier to be SERVING")
     args = parser.parse_args(argv)
     setup_logging("coordinator")
+    telemetry.configure("coordinator", args.trace_file)
     log = logging.getLogger("coordinator")
     config = CoordinatorConfig(drafter=args.drafter, verifier=args.verifier, proposer=args.proposer, gamma=args.gamma,
-                               gamma_max=args.gamma_max, max_new_tokens=args.max_new_tokens, connect_timeout_s=args.connect_timeout)
+                               gamma_max=args.gamma_max, metrics_port=args.metrics_port, max_new_tokens=args.max_new_tokens, connect_timeout_s=args.connect_timeout)
     try:
         running, backends = serve(config, host=args.host, port=args.port)
     except (SpecdecError, TimeoutError) as exc:

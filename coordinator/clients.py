@@ -8,6 +8,7 @@ import grpc
 from specdec.errors import FailedPrecondition, RemoteError
 from specdec.proposer import Commit, Proposal, Proposer
 from specdec.sampling import SamplingConfig
+from specdec import telemetry
 from specdec.serving import channel
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.wire import sampling_to_proto
@@ -25,7 +26,7 @@ class _ModelClient:
     def __init__(self, address: str, stub_cls):
         self.address = address
         self.channel = channel(address)
-        self.stub = stub_cls(self.channel)
+        self.stub = stub_cls(telemetry.traced_channel(self.channel))
 
     def call(self, method: str, request, timeout: float | None = None):
         try:
@@ -96,6 +97,9 @@ class RemoteDraftProposer(Proposer):
         self._started = self.client.stub.StartSession.future(
             common_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt_ids),
             timeout=self._timeout())
+
+    def ready(self) -> None:
+        self._await_start()
 
     def _await_start(self) -> None:
         if self._started is None:

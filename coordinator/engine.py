@@ -18,6 +18,7 @@ from specdec import telemetry
 
 from coordinator.clients import VerifierClient
 from coordinator.gamma import GammaController, GammaPriors
+from coordinator.metrics import Metrics
 from coordinator.output import Delta, OutputAccumulator
 
 DECODE_CHUNK = 16  # target-only tokens per Decode call (one streamed message each)
@@ -88,11 +89,13 @@ class Update:
 
 
 class SpeculativeEngine:
-    def __init__(self, verifier: VerifierClient, tokenizer, eos_token_ids: tuple[int, ...]):
+    def __init__(self, verifier: VerifierClient, tokenizer, eos_token_ids: tuple[int, ...],
+                 metrics: Metrics | None = None):
         self.verifier = verifier
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.gamma_priors = GammaPriors()  # what earlier requests learned about γ
+        self.metrics = metrics or Metrics()
 
     def generate(self, request: GenerationRequest, proposer: Proposer | None,
                  timeout: Callable[[], float | None] = lambda: None) -> Iterator[Update]:
@@ -106,6 +109,8 @@ class SpeculativeEngine:
             if proposer is not None:
                 proposer.start(session_id, request.prompt_ids)
             self.verifier.start_session(session_id, request.prompt_ids, timeout())
+            if proposer is not None:
+                proposer.ready()  # its prefill ran alongside the verifier's
             # The drafter prefills at the same time; what it still needs shows in draft_ms.
             stats.prefill_ms = (time.perf_counter() - started) * 1e3
             rounds = (self._speculative_rounds(session_id, request, proposer, stats, output, timeout)
@@ -116,6 +121,8 @@ class SpeculativeEngine:
                 stats.total_ms = (time.perf_counter() - started) * 1e3
                 yield Update(delta, stats)
                 if delta.finish_reason is not None:
+                    self.metrics.observe_request(stats.output_tokens, stats.total_ms / 1e3,
+                                                 delta.finish_reason.name.lower())
                     return
         finally:
             if proposer is not None:
@@ -163,12 +170,16 @@ class SpeculativeEngine:
                     commit = Commit(commit.num_accepted, commit.target_token_ids + (verdict.next_token_id,))
                 drafted = len(proposal.token_ids)  # a proposer may offer fewer than gamma
                 stats.record_round(drafted, verdict.num_accepted)
+                self.metrics.observe_round(gamma, drafted, verdict.num_accepted, (draft_ms + verify_ms) / 1e3)
                 if controller is not None:
                     stats.gamma = gamma  # adaptive: the γ of the latest round
                     controller.observe(drafted, verdict.num_accepted, draft_ms, verify_ms)
-                span.set_attributes({"specdec.round.index": stats.rounds - 1, "specdec.gamma": gamma,
-                                     "specdec.draft_tokens": drafted, "specdec.accepted_tokens": verdict.num_accepted,
-                                     "specdec.bonus": verdict.bonus})
+                span.set_attributes({
+                    "specdec.round.index": stats.rounds - 1, "specdec.gamma": gamma,
+                    "specdec.draft_tokens": drafted, "specdec.accepted_tokens": verdict.num_accepted,
+                    # -1: nothing rejected (all drafts accepted, or none drafted)
+                    "specdec.first_rejected_position": verdict.num_accepted if verdict.num_accepted < drafted else -1,
+                    "specdec.bonus": verdict.bonus, "specdec.draft_ms": draft_ms, "specdec.verify_ms": verify_ms})
             yield new_tokens
 
     def _target_only_rounds(self, session_id: str, request: GenerationRequest, stats: Stats,

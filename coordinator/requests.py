@@ -102,3 +102,29 @@ def update_to_proto(update: Update, with_stats: bool) -> coordinator_pb2.Generat
         response.finish_reason = int(update.delta.finish_reason)
         response.stats.CopyFrom(stats_to_proto(update.stats))
     return response
+
+
+def request_attributes(request: coordinator_pb2.GenerateRequest, domain: GenerationRequest, model: str,
+                       draft_model: str) -> dict:
+    """GenAI semantic-convention attributes of a request; never prompt text or ids."""
+    s = domain.sampling
+    attributes = {
+        "gen_ai.operation.name": "chat" if request.WhichOneof("input") == "messages" else "text_completion",
+        "gen_ai.request.model": model,
+        "gen_ai.request.temperature": s.temperature, "gen_ai.request.top_p": s.top_p,
+        "gen_ai.request.top_k": s.top_k, "gen_ai.request.max_tokens": domain.max_new_tokens,
+        "gen_ai.usage.input_tokens": len(domain.prompt_ids),
+        "specdec.draft_model": draft_model,
+        "specdec.gamma_mode": "off" if domain.gamma == 0 else "auto" if domain.adaptive else "fixed",
+    }
+    if s.seed is not None:
+        attributes["gen_ai.request.seed"] = s.seed
+    return attributes
+
+
+def response_attributes(update: Update) -> dict:
+    stats, reason = update.stats, update.delta.finish_reason
+    return {"gen_ai.usage.output_tokens": stats.output_tokens,
+            "gen_ai.response.finish_reasons": [reason.name.lower()] if reason is not None else [],
+            "specdec.rounds": stats.rounds, "specdec.draft_tokens": stats.draft_tokens,
+            "specdec.accepted_tokens": stats.accepted_tokens}

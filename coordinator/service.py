@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
 
+from specdec import telemetry
 from specdec.errors import FailedPrecondition
 from specdec.model_service import MAX_PROPOSE_TOKENS
 from specdec.ngram import NgramProposer
@@ -16,7 +19,8 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 from coordinator.clients import DrafterClient, RemoteDraftProposer, VerifierClient
 from coordinator.engine import SpeculativeEngine
-from coordinator.requests import Limits, to_domain, update_to_proto
+from coordinator.metrics import Metrics
+from coordinator.requests import Limits, request_attributes, response_attributes, to_domain, update_to_proto
 
 log = logging.getLogger("coordinator")
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -35,6 +39,7 @@ class CoordinatorConfig:
     gamma_max: int = 8               # adaptive γ ranges over [0, gamma_max]
     max_new_tokens: int = 128
     connect_timeout_s: float = 300.0
+    metrics_port: int | None = None  # Prometheus /metrics on this port (0 picks one); None = off
 
     def __post_init__(self) -> None:
         if self.proposer not in ("drafter", "ngram"):
@@ -82,7 +87,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             vocab_size=target.vocab_size, max_context=target.max_context,
             default_max_new_tokens=config.max_new_tokens, default_gamma=config.gamma or None, max_gamma=max_gamma,
             gamma_max=config.gamma_max)
-        self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids))
+        self.metrics = Metrics()
+        self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids),
+                                        self.metrics)
 
     def _proposer(self, timeout) -> Proposer:
         if self.config.proposer == "ngram":
@@ -90,13 +97,23 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint, timeout)
 
     def _updates(self, request, context):
-        domain = to_domain(request, self.backends.tokenizer, self.limits, self.limits.max_gamma > 0)
-        def timeout() -> float | None:
-            remaining = context.time_remaining()
-            if remaining is None or remaining > 1e6:  # no deadline set by the client
-                return None
-            return remaining
-        return self.engine.generate(domain, self._proposer(timeout) if domain.gamma > 0 else None, timeout)
+        # One trace per Generate, rooted here (or under the client's span if it sent W3C context).
+        parent = propagate.extract({k: v for k, v in context.invocation_metadata() if isinstance(v, str)})
+        with telemetry.tracer.start_as_current_span("generate", context=parent, kind=SpanKind.SERVER) as span:
+            domain = to_domain(request, self.backends.tokenizer, self.limits, self.limits.max_gamma > 0)
+            span.set_attributes(request_attributes(request, domain, self.backends.target_info.model,
+                                                   self.backends.draft_info.model if self.backends.draft_info else ""))
+
+            def timeout() -> float | None:
+                remaining = context.time_remaining()
+                if remaining is None or remaining > 1e6:  # no deadline set by the client
+                    return None
+                return remaining
+            last = None
+            for last in self.engine.generate(domain, self._proposer(timeout) if domain.gamma > 0 else None, timeout):
+                yield last
+            if last is not None:
+                span.set_attributes(response_attributes(last))
 
     def Generate(self, request, context) -> coordinator_pb2.GenerateResponse:
         text, token_ids, last = [], [], None
@@ -123,6 +140,10 @@ def serve(config: CoordinatorConfig, host: str = "127.0.0.1", port: int = 0) -> 
     backends = Backends(config)
     servicer = CoordinatorServicer(backends, config)
     running = start_server(lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
-                           [SERVICE_NAME], host=host, port=port)
+                           [SERVICE_NAME], host=host, port=port, traced=False)
+    if config.metrics_port is not None:
+        http_server, _ = servicer.metrics.serve(config.metrics_port, host)
+        running.metrics_port = http_server.server_port
+        log.info("metrics on http://%s:%d/metrics", host, running.metrics_port)
     running.set_serving(True)
     return running, backends

@@ -24,6 +24,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         draft_quantize=args.draft_quantize or pair.draft_quantize,
         head_vocab=args.head_vocab if args.head_vocab is not None else pair.draft_head_vocab,
         device=args.device, host=args.host, port=args.port, gamma=args.gamma, gamma_max=args.gamma_max,
+        trace_file=args.trace_file,
         ready_timeout_s=args.ready_timeout)
     children: list[launcher.Child] = []
     stopping = threading.Event()
@@ -141,6 +142,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--head-vocab", type=int, help="overrides the pair's INT8 draft head restriction")
     up.add_argument("--gamma", default="auto", help="auto (adapted per request) or a fixed N")
     up.add_argument("--gamma-max", type=int, default=8, help="the most draft tokens auto picks per round")
+    up.add_argument("--trace-file", help="all three services append OTLP-JSON spans here (see specdec traces)")
     up.add_argument("--host", default="127.0.0.1", help="coordinator bind address")
     up.add_argument("--port", type=int, default=50051, help="coordinator port")
     up.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -175,6 +177,9 @@ def parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="Spec-Bench through the gRPC stack against the peers (see --help)",
                            add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    traces = sub.add_parser("traces", help="per-round table and summary from a --trace-file (see --help)",
+                            add_help=False)
+    traces.add_argument("traces_args", nargs=argparse.REMAINDER)
     return root
 
 
@@ -183,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["bench"]:  # its options are its own (argparse.REMAINDER would not pass them on)
         from specdec import bench
         sys.exit(bench.main(argv[1:]))
+    if argv[:1] == ["traces"]:
+        from specdec import traces
+        sys.exit(traces.main(argv[1:]))
     args = parser().parse_args(argv)
     sys.exit(args.func(args))
 

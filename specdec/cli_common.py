@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from specdec import telemetry
 from specdec.errors import SpecdecError
 from specdec.models import LoadedModel, load_model
 from specdec.serving import RunningServer, run_until_signal
@@ -30,6 +31,8 @@ def add_model_args(parser: argparse.ArgumentParser, default_quantize: str) -> No
                              "plus special tokens (0 = whole vocabulary); lossless, it only changes what is proposed")
     parser.add_argument("--session-ttl", type=float, default=600.0, help="seconds before an idle session is reaped")
     parser.add_argument("--max-sessions", type=int, default=256)
+    parser.add_argument("--trace-file", help="also write spans as OTLP-JSON lines to this file (tracing is off "
+                        "unless this or OTEL_EXPORTER_OTLP_ENDPOINT is set)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
 
 
@@ -39,6 +42,7 @@ def run_model_service(name: str, args: argparse.Namespace,
     log = logging.getLogger(name)
     if args.threads:
         torch.set_num_threads(args.threads)
+    telemetry.configure(name, args.trace_file)
     try:
         loaded: LoadedModel = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
                                         head_vocab=args.head_vocab)

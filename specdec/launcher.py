@@ -75,6 +75,7 @@ class StackOptions:
     port: int = 50051
     gamma: str = "auto"
     gamma_max: int = 8
+    trace_file: str | None = None
     ready_timeout_s: float = 900.0
     threads: int = 0
 
@@ -89,7 +90,9 @@ def pull_models(names: list[str], say=print) -> None:
 def launch(options: StackOptions, children: list[Child]) -> Child:
     """Start all three; appends to `children` as they start (so the caller can
     stop them on any failure) and returns the serving coordinator."""
-    common = ["--device", options.device, "--host", "127.0.0.1", "--port", "0", "--threads", str(options.threads)]
+    tracing = ["--trace-file", options.trace_file] if options.trace_file else []
+    common = ["--device", options.device, "--host", "127.0.0.1", "--port", "0", "--threads", str(options.threads),
+              *tracing]
     # Both models load at once; the coordinator checks them once both serve.
     children.append(spawn("drafter", "drafter", [
         "--model", options.draft_model, "--dtype", options.pair.draft_dtype, "--quantize", options.draft_quantize,
@@ -99,5 +102,5 @@ def launch(options: StackOptions, children: list[Child]) -> Child:
     drafter, verifier = (wait_serving(child, options.ready_timeout_s) for child in children[-2:])
     children.append(spawn("coordinator", "coordinator", [
         "--drafter", drafter.address, "--verifier", verifier.address, "--host", options.host,
-        "--port", str(options.port), "--gamma", str(options.gamma), "--gamma-max", str(options.gamma_max)]))
+        "--port", str(options.port), "--gamma", str(options.gamma), "--gamma-max", str(options.gamma_max), *tracing]))
     return wait_serving(children[-1], options.ready_timeout_s)

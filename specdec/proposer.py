@@ -38,6 +38,10 @@ class Proposer(abc.ABC):
     @abc.abstractmethod
     def start(self, session_id: str, prompt_ids: Sequence[int]) -> None: ...
 
+    def ready(self) -> None:
+        """Block until the session `start` opened is usable; raise if it is not.
+        (Called before the first round, whatever γ that round gets.)"""
+
     @abc.abstractmethod
     def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None) -> Proposal:
         """Apply `commit` (absent on the first call), then propose `num_tokens` tokens."""

@@ -40,6 +40,7 @@ class RunningServer:
     health: health.HealthServicer
     port: int
     service_names: tuple[str, ...]
+    metrics_port: int | None = None  # the coordinator's Prometheus endpoint, when on
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -60,11 +61,15 @@ def start_server(
     host: str = "127.0.0.1",
     port: int = 0,
     max_workers: int = 16,
+    traced: bool = True,
 ) -> RunningServer:
-    """Start a server with the status interceptor, health (NOT_SERVING) and reflection."""
+    """Start a server with the status interceptor, health (NOT_SERVING) and reflection.
+
+    traced: a server span per call when tracing is on (the coordinator says no:
+    its `generate` span is the root of each trace)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[StatusInterceptor(), *telemetry.server_interceptors()],
+        interceptors=[*(telemetry.server_interceptors() if traced else []), StatusInterceptor()],
         options=GRPC_OPTIONS,
     )
     register(server)

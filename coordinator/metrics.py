@@ -1,0 +1,53 @@
+"""Prometheus metrics of the coordinator (`--metrics-port`): what rounds draft,
+what gets accepted (also per draft position), and how fast it all goes."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        # A registry of our own, so several coordinators (tests) never collide.
+        self.registry = r = registry or CollectorRegistry()
+        self.rounds = Counter("specdec_rounds", "Rounds (one verifier call each)", registry=r)
+        self.drafts = Counter("specdec_drafts", "Rounds that called the proposer", registry=r)
+        self.draft_tokens = Counter("specdec_draft_tokens", "Draft tokens proposed", registry=r)
+        self.accepted_tokens = Counter("specdec_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.drafted_at = Counter("specdec_position_drafted", "Draft tokens proposed, by position (0-based)",
+                                  ["position"], registry=r)
+        self.accepted_at = Counter("specdec_position_accepted", "Draft tokens accepted, by position (0-based)",
+                                   ["position"], registry=r)
+        self.output_tokens = Counter("specdec_output_tokens", "Tokens returned to clients", registry=r)
+        self.requests = Counter("specdec_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.round_seconds = Histogram("specdec_round_seconds", "Round latency (draft + verify)", registry=r,
+                                       buckets=(.005, .01, .025, .05, .1, .2, .3, .5, .75, 1, 2, 5))
+        self.gamma = Histogram("specdec_gamma", "Draft tokens asked for per round", registry=r,
+                               buckets=tuple(range(0, 17)))
+        self.accepted_length = Histogram("specdec_accepted_length", "Tokens per round (accepted + 1)", registry=r,
+                                         buckets=tuple(range(1, 18)))
+        self.tokens_per_second = Histogram("specdec_request_tokens_per_second", "Output tokens/s per request",
+                                           registry=r, buckets=(.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 50, 100, 200))
+
+    def observe_round(self, gamma: int, drafted: int, accepted: int, seconds: float) -> None:
+        self.rounds.inc()
+        self.gamma.observe(gamma)
+        self.round_seconds.observe(seconds)
+        self.accepted_length.observe(accepted + 1)
+        if drafted:
+            self.drafts.inc()
+            self.draft_tokens.inc(drafted)
+            self.accepted_tokens.inc(accepted)
+            for position in range(drafted):
+                self.drafted_at.labels(str(position)).inc()
+                if position < accepted:
+                    self.accepted_at.labels(str(position)).inc()
+
+    def observe_request(self, output_tokens: int, seconds: float, finish_reason: str) -> None:
+        self.output_tokens.inc(output_tokens)
+        self.requests.labels(finish_reason).inc()
+        if seconds > 0:
+            self.tokens_per_second.observe(output_tokens / seconds)
+
+    def serve(self, port: int, host: str = "127.0.0.1"):
+        """Expose /metrics over HTTP; returns (server, thread)."""
+        return start_http_server(port, addr=host, registry=self.registry)
