@@ -222,9 +222,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
                     continue
                 split = " / ".join(f"{r[k + '_share']:.0%}" for k in ("prefill", "draft", "verify", "overhead")) \
                     if "draft_share" in r else ""
+                speedups = [f"{r[k]:.2f}x" if k in r else "" for k in (
+                    "speedup_vs_target_only", "speedup_vs_hf_assisted")]
                 lines.append(
-                    f"| {r['system']} | {r['tokens_per_second']:.2f} | {r.get('speedup_vs_target_only', 0):.2f}x | "
-                    f"{r.get('speedup_vs_hf_assisted', 0):.2f}x | {r.get('acceptance_rate', '')} | "
+                    f"| {r['system']} | {r['tokens_per_second']:.2f} | {speedups[0]} | "
+                    f"{speedups[1]} | {r.get('acceptance_rate', '')} | "
                     f"{r.get('mean_accepted_length', '')} | {split} | {r.get('greedy_identical', '')} |")
             lines.append("")
     lines += ["## best fixed gamma (and auto's speed relative to it)", "", "| category | " + " | ".join(meta["temperature_keys"]) + " |",

@@ -109,8 +109,9 @@ def enabled() -> bool:
 def server_interceptors() -> list[Any]:
     if _provider is None:
         return []
-    from opentelemetry.instrumentation.grpc import server_interceptor
-    return [server_interceptor(tracer_provider=_provider)]
+    from opentelemetry.instrumentation.grpc import filters, server_interceptor
+    # Health probes (every few seconds under Kubernetes) would each be a trace of their own.
+    return [server_interceptor(tracer_provider=_provider, filter_=filters.negate(filters.health_check()))]
 
 
 def traced_channel(channel: grpc.Channel) -> grpc.Channel:

@@ -150,6 +150,7 @@ def test_all_three_services_export_one_trace_over_otlp_grpc_and_to_the_trace_fil
     # The same run's trace file, read back by `specdec traces`.
     spans = traces.read_spans(str(trace_file))
     assert {s.service for s in spans} >= {"coordinator", "drafter", "verifier"}
+    assert not any("grpc.health.v1.Health" in s.name for s in spans)  # probes are not traced
     (generate,) = [s for s in spans if s.name == "generate"]
     assert generate.trace_id == trace_id
     rows = traces.rounds_of(generate)
