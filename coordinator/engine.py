@@ -110,8 +110,7 @@ class SpeculativeEngine:
                 proposer.start(session_id, request.prompt_ids)
             self.verifier.start_session(session_id, request.prompt_ids, timeout())
             if proposer is not None:
-                proposer.ready()  # its prefill ran alongside the verifier's
-            # The drafter prefills at the same time; what it still needs shows in draft_ms.
+                proposer.ready()  # its prefill ran alongside the verifier's; wait for what is left of it
             stats.prefill_ms = (time.perf_counter() - started) * 1e3
             rounds = (self._speculative_rounds(session_id, request, proposer, stats, output, timeout)
                       if proposer is not None else self._target_only_rounds(session_id, request, stats, output, timeout))

@@ -298,9 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         systems += [HF_GENERATE, HF_ASSISTED]
     say = lambda message: print(f"bench: {message}", file=sys.stderr, flush=True)  # noqa: E731
     launcher.pull_models([pair.draft, pair.target], say=say)
-    options = launcher.StackOptions(pair=pair, draft_model=pair.draft, target_model=pair.target,
-                                    draft_quantize=pair.draft_quantize, head_vocab=pair.draft_head_vocab,
-                                    port=0, threads=args.threads)
+    options = launcher.StackOptions.for_pair(pair, port=0, threads=args.threads)
     children: list[launcher.Child] = []
     started = time.perf_counter()
     try:

@@ -19,13 +19,10 @@ from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 def cmd_up(args: argparse.Namespace) -> int:
     pair = PAIRS[args.pair]
-    options = launcher.StackOptions(
-        pair=pair, draft_model=args.draft_model or pair.draft, target_model=args.target_model or pair.target,
-        draft_quantize=args.draft_quantize or pair.draft_quantize,
-        head_vocab=args.head_vocab if args.head_vocab is not None else pair.draft_head_vocab,
-        device=args.device, host=args.host, port=args.port, gamma=args.gamma, gamma_max=args.gamma_max,
-        trace_file=args.trace_file,
-        ready_timeout_s=args.ready_timeout)
+    options = launcher.StackOptions.for_pair(
+        pair, draft_model=args.draft_model, target_model=args.target_model, draft_quantize=args.draft_quantize,
+        head_vocab=args.head_vocab, device=args.device, host=args.host, port=args.port, gamma=args.gamma,
+        gamma_max=args.gamma_max, trace_file=args.trace_file, ready_timeout_s=args.ready_timeout)
     children: list[launcher.Child] = []
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -79,6 +79,13 @@ class StackOptions:
     ready_timeout_s: float = 900.0
     threads: int = 0
 
+    @classmethod
+    def for_pair(cls, pair: Pair, **overrides) -> "StackOptions":
+        """The pair's models and settings; overrides that are None keep the pair's."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return cls(**{"pair": pair, "draft_model": pair.draft, "target_model": pair.target,
+                      "draft_quantize": pair.draft_quantize, "head_vocab": pair.draft_head_vocab, **given})
+
 
 def pull_models(names: list[str], say=print) -> None:
     """Pull registry models once, here, rather than in two services at once."""
