@@ -232,12 +232,3 @@ class GammaPriors:
                         prior.count_by_position.append(new.count_by_position[i])
             self.cost = copy.deepcopy(state.cost)  # timings are shared by every regime
             self.rounds = max(self.rounds, state.rounds)
-
-
-def brute_force_best(alpha: float, round_ms, gamma_max: int) -> int:
-    """The optimum by the closed form, for tests and reports."""
-    def goodput(g: int) -> float:
-        tokens = (1 - alpha ** (g + 1)) / (1 - alpha) if alpha < 1 else g + 1
-        return tokens / round_ms(g)
-    return max(range(gamma_max + 1), key=goodput)
-

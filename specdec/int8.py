@@ -24,16 +24,12 @@ On CUDA the maintained path is torchao's int8 dynamic quantization.
 from __future__ import annotations
 
 import functools
-import logging
 import warnings
 
 import torch
 from torch import nn
 
 from specdec.errors import FailedPrecondition
-
-log = logging.getLogger(__name__)
-
 
 @functools.cache
 def _reduce_range() -> bool:

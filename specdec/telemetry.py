@@ -18,12 +18,13 @@ coordinator's trace and both sides of each call show.
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import threading
 from typing import Any, Sequence
 
-import grpc  # noqa: F401  (channel types)
+import grpc
 from google.protobuf import json_format
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -67,7 +68,6 @@ class OtlpJsonLinesExporter(SpanExporter):
 
 
 def _b64_to_hex(value: str) -> str:
-    import base64
     return base64.b64decode(value).hex()
 
 

@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from coordinator.gamma import (Acceptance, EwLinearFit, GammaController, GammaPriors, brute_force_best,
-                               regime)
+from coordinator.gamma import Acceptance, EwLinearFit, GammaController, GammaPriors, regime
 from specdec.sampling import SamplingConfig
 
 GAMMA_MAX = 8
@@ -45,13 +44,18 @@ class Stream:
 
 
 def true_goodput(alpha: float, g: int) -> float:
+    """Leviathan et al.'s expected tokens per round over the synthetic round time."""
     return (1 - alpha ** (g + 1)) / (1 - alpha) / round_ms(g)
+
+
+def brute_force_best(alpha: float, gamma_max: int = GAMMA_MAX) -> int:
+    return max(range(gamma_max + 1), key=lambda g: true_goodput(alpha, g))
 
 
 @pytest.mark.parametrize("alpha", [0.5, 0.7, 0.85, 0.95])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_converges_to_the_brute_force_optimum_within_60_rounds(alpha, seed):
-    optimum = brute_force_best(alpha, round_ms, GAMMA_MAX)
+    optimum = brute_force_best(alpha)
     settled = Stream(alpha, seed=seed).run(GammaController(GAMMA_MAX), 260)[60:]
     # Near the optimum the goodput curve is flat, and acceptance is estimated
     # from noisy rounds: so the claim is on goodput, not on hitting γ* exactly.
@@ -71,12 +75,12 @@ def test_does_not_oscillate_on_a_stationary_stream():
 def test_drops_to_zero_when_drafts_fail_and_comes_back_when_they_recover():
     controller = GammaController(GAMMA_MAX)
     low = Stream(0.05, seed=1).run(controller, 60)
-    assert brute_force_best(0.05, round_ms, GAMMA_MAX) == 0
+    assert brute_force_best(0.05) == 0
     assert low[-20:].count(0) >= 15, low  # plain decoding, with the odd probe
     probes = [g for g in low[20:] if g > 0]
     assert 0 < len(probes) <= 6, low       # probes back off while they keep failing
     recovered = Stream(0.9, seed=2).run(controller, 150)
-    optimum = brute_force_best(0.9, round_ms, GAMMA_MAX)
+    optimum = brute_force_best(0.9)
     assert next(i for i, g in enumerate(recovered) if g >= 3) <= 4 * controller.base_probe_every + 2, recovered
     assert all(true_goodput(0.9, g) >= 0.95 * true_goodput(0.9, optimum) for g in recovered[-60:]), recovered
 
@@ -88,7 +92,7 @@ def test_a_new_request_starts_from_the_shared_prior():
     Stream(0.95, seed=3).run(first, 80)
     priors.finish(greedy, first.state)
     second = GammaController(GAMMA_MAX, priors.start(greedy))
-    assert second.gamma == brute_force_best(0.95, round_ms, GAMMA_MAX)  # no warm-up from scratch
+    assert second.gamma == brute_force_best(0.95)  # no warm-up from scratch
     # Another regime keeps its own acceptance but shares the timings.
     sampled = GammaController(GAMMA_MAX, priors.start(SamplingConfig(temperature=0.7).validate()))
     assert sampled.state.acceptance.alpha == Acceptance().alpha
