@@ -6,8 +6,10 @@ import logging
 import sys
 
 from specdec import telemetry
-from specdec.cli_common import setup_logging
+from specdec.cli_common import add_lifecycle_args, add_tls_server_args, server_tls, setup_logging, start_health
 from specdec.errors import SpecdecError
+from specdec.security import ClientTls, load_token
+from specdec.serving import MAX_PUBLIC_MESSAGE_BYTES
 from specdec.serving import run_until_signal
 
 from coordinator.service import CoordinatorConfig, serve
@@ -38,20 +40,42 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
     parser.add_argument("--connect-timeout", type=float, default=300.0,
                         help="seconds to wait for the drafter and verifier to be SERVING")
+    parser.add_argument("--max-sessions", type=int, default=64,
+                        help="Generate calls served at once; beyond it, RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-message-bytes", type=int, default=MAX_PUBLIC_MESSAGE_BYTES,
+                        help="largest request or response on the public port")
+    parser.add_argument("--log-prompts", action="store_true",
+                        help="include prompt text in the request log (off by default: prompts are users' data)")
+    add_tls_server_args(parser)
+    auth = parser.add_argument_group("auth")
+    auth.add_argument("--auth-token-env", metavar="VAR",
+                      help="require 'authorization: Bearer <token>', the token read from this environment variable")
+    auth.add_argument("--auth-token-file", metavar="PATH", help="... or from this file")
+    backend = parser.add_argument_group("TLS to the drafter and verifier (when they serve TLS)")
+    backend.add_argument("--backend-tls-ca", help="CA that signed their certificates")
+    backend.add_argument("--backend-tls-cert", help="this coordinator's client certificate (mutual TLS)")
+    backend.add_argument("--backend-tls-key", help="... and its key")
+    add_lifecycle_args(parser)
     args = parser.parse_args(argv)
     setup_logging("coordinator")
     telemetry.configure("coordinator", args.trace_file)
     log = logging.getLogger("coordinator")
-    config = CoordinatorConfig(drafter=args.drafter, verifier=args.verifier, proposer=args.proposer, gamma=args.gamma,
-                               gamma_max=args.gamma_max, metrics_port=args.metrics_port, max_new_tokens=args.max_new_tokens, connect_timeout_s=args.connect_timeout)
     try:
+        config = CoordinatorConfig(
+            drafter=args.drafter, verifier=args.verifier, proposer=args.proposer, gamma=args.gamma,
+            gamma_max=args.gamma_max, metrics_port=args.metrics_port, max_new_tokens=args.max_new_tokens,
+            connect_timeout_s=args.connect_timeout, max_sessions=args.max_sessions,
+            max_message_bytes=args.max_message_bytes, log_prompts=args.log_prompts, tls=server_tls(args),
+            auth_token=load_token(args.auth_token_env, args.auth_token_file),
+            backend_tls=ClientTls.from_args(args.backend_tls_ca, args.backend_tls_cert, args.backend_tls_key))
         running, backends = serve(config, host=args.host, port=args.port)
-    except (SpecdecError, TimeoutError) as exc:
+        start_health(running, args)
+    except (SpecdecError, TimeoutError, ValueError, OSError) as exc:
         log.error("refusing to start: %s", exc)
         print(f"coordinator: refusing to start: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     print(f"coordinator SERVING on {args.host}:{running.port}", flush=True)
-    run_until_signal(running, on_stop=backends.close)
+    run_until_signal(running, grace_s=args.grace_period, on_stop=backends.close)
 
 
 if __name__ == "__main__":

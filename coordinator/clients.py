@@ -5,27 +5,30 @@ from typing import Callable, Sequence
 
 import grpc
 
-from specdec.errors import FailedPrecondition, RemoteError
-from specdec.proposer import Commit, Proposal, Proposer
+from specdec.errors import RemoteError
+from specdec.proposer import Commit, Proposal, Proposer, ProposerUnavailable
 from specdec.sampling import SamplingConfig
 from specdec import telemetry
+from specdec.security import ClientTls
 from specdec.serving import channel
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.wire import sampling_to_proto
 
 Timeout = Callable[[], "float | None"]  # seconds left of the caller's deadline
+# The caller's own ending, not the drafter's failure: these are passed on, not fallen back from.
+CALLER_CODES = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def _no_deadline() -> None:
     return None
 
 
-class _ModelClient:
+class ModelClient:
     service = "model"
 
-    def __init__(self, address: str, stub_cls):
+    def __init__(self, address: str, stub_cls, tls: ClientTls | None = None):
         self.address = address
-        self.channel = channel(address)
+        self.channel = channel(address, tls)
         self.stub = stub_cls(telemetry.traced_channel(self.channel))
 
     def call(self, method: str, request, timeout: float | None = None):
@@ -43,18 +46,18 @@ class _ModelClient:
     def end_session(self, session_id: str) -> None:
         try:
             self.stub.EndSession(common_pb2.EndSessionRequest(session_id=session_id), timeout=5.0)
-        except grpc.RpcError:
+        except (grpc.RpcError, ValueError):  # ValueError: the channel is already closed
             pass  # the session's TTL reaps it if this did not reach the service
 
     def close(self) -> None:
         self.channel.close()
 
 
-class VerifierClient(_ModelClient):
+class VerifierClient(ModelClient):
     service = "verifier"
 
-    def __init__(self, address: str):
-        super().__init__(address, verifier_pb2_grpc.VerifierStub)
+    def __init__(self, address: str, tls: ClientTls | None = None):
+        super().__init__(address, verifier_pb2_grpc.VerifierStub, tls)
 
     def start_session(self, session_id: str, prompt_ids: Sequence[int], timeout: float | None = None) -> None:
         self.call("StartSession", common_pb2.StartSessionRequest(
@@ -72,17 +75,18 @@ class VerifierClient(_ModelClient):
             session_id=session_id, num_tokens=num_tokens, sampling=sampling_to_proto(sampling)), timeout).token_ids)
 
 
-class DrafterClient(_ModelClient):
+class DrafterClient(ModelClient):
     service = "drafter"
 
-    def __init__(self, address: str):
-        super().__init__(address, drafter_pb2_grpc.DrafterStub)
+    def __init__(self, address: str, tls: ClientTls | None = None):
+        super().__init__(address, drafter_pb2_grpc.DrafterStub, tls)
 
 
 class RemoteDraftProposer(Proposer):
     """The drafter service as a Proposer, for one request. StartSession is sent
     without waiting, so it overlaps the verifier's prefill; the first Propose
-    waits for it."""
+    waits for it. A drafter failure becomes ProposerUnavailable (the loop goes
+    on target-only); the caller's cancellation or deadline stays what it is."""
     name = "draft-model"
 
     def __init__(self, client: DrafterClient, expected_fingerprint: str, timeout: Timeout = _no_deadline):
@@ -108,13 +112,19 @@ class RemoteDraftProposer(Proposer):
         try:
             reply = future.result()
         except grpc.RpcError as exc:
-            raise RemoteError(f"drafter at {self.client.address}", exc) from exc
+            raise self._failure("StartSession", exc) from exc
         # Checked on every session, so a drafter that came back with another model is caught.
         if reply.tokenizer_fingerprint != self.expected_fingerprint:
-            raise FailedPrecondition(
+            raise ProposerUnavailable(
                 f"drafter at {self.client.address} now has tokenizer {reply.tokenizer_fingerprint[:19]}..., "
-                f"not the target's {self.expected_fingerprint[:19]}...; restart the coordinator to see the "
-                "first difference")
+                f"not the target's {self.expected_fingerprint[:19]}...; drafting is off until the drafter "
+                "serves the target's tokenizer again", grpc.StatusCode.FAILED_PRECONDITION)
+
+    def _failure(self, method: str, exc: grpc.RpcError) -> Exception:
+        if exc.code() in CALLER_CODES:
+            return RemoteError(f"drafter at {self.client.address}", exc)
+        return ProposerUnavailable(f"drafter at {self.client.address}: {method}: {exc.code().name}: "
+                                   f"{exc.details()}", exc.code())
 
     def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None) -> Proposal:
         self._await_start()
@@ -123,7 +133,10 @@ class RemoteDraftProposer(Proposer):
         if commit is not None:
             request.commit.num_accepted = commit.num_accepted
             request.commit.target_token_ids.extend(commit.target_token_ids)
-        reply = self.client.call("Propose", request, self._timeout())
+        try:
+            reply = self.client.stub.Propose(request, timeout=self._timeout())
+        except grpc.RpcError as exc:
+            raise self._failure("Propose", exc) from exc
         return Proposal(tuple(reply.draft_token_ids), reply.draft_probs_fp16, reply.vocab_size)
 
     def end(self) -> None:

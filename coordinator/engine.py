@@ -12,7 +12,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from specdec.proposer import Commit, Proposal, Proposer
+from specdec.errors import Cancelled, DeadlineExceeded
+from specdec.proposer import Commit, Proposal, Proposer, ProposerUnavailable
 from specdec.sampling import SamplingConfig
 from specdec import telemetry
 
@@ -32,6 +33,7 @@ class GenerationRequest:
     gamma: int                      # 0 = target-only decoding; the upper bound when adaptive
     stop: tuple[str, ...] = ()
     adaptive: bool = False          # γ chosen per round by a GammaController
+    ignore_eos: bool = False        # keep going past EOS (load tests, benchmarks)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Stats:
     verify_ms: float = 0.0
     total_ms: float = 0.0
     output_tokens: int = 0
+    fallback: str = ""  # why this request went on target-only after a proposer failure
 
     def record_round(self, drafted: int, accepted: int) -> None:
         self.rounds += 1
@@ -90,30 +93,40 @@ class Update:
 
 class SpeculativeEngine:
     def __init__(self, verifier: VerifierClient, tokenizer, eos_token_ids: tuple[int, ...],
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None,
+                 on_proposer_failure: Callable[[ProposerUnavailable], None] = lambda exc: None):
         self.verifier = verifier
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.gamma_priors = GammaPriors()  # what earlier requests learned about γ
         self.metrics = metrics or Metrics()
+        self.on_proposer_failure = on_proposer_failure
 
     def generate(self, request: GenerationRequest, proposer: Proposer | None,
-                 timeout: Callable[[], float | None] = lambda: None) -> Iterator[Update]:
+                 timeout: Callable[[], float | None] = lambda: None,
+                 cancelled: Callable[[], bool] = lambda: False, session_id: str | None = None) -> Iterator[Update]:
         """Yields one Update per round; the last one has delta.finish_reason set.
+
+        Stops within one round of the caller cancelling or its deadline passing.
         Both sessions are ended however the generator is left (done, error, cancel)."""
-        session_id = uuid.uuid4().hex
+        session_id = session_id or uuid.uuid4().hex
         stats = Stats(prompt_tokens=len(request.prompt_ids), gamma=request.gamma if proposer else 0)
-        output = OutputAccumulator(self.tokenizer, self.eos_token_ids, request.max_new_tokens, request.stop)
+        eos = () if request.ignore_eos else self.eos_token_ids
+        output = OutputAccumulator(self.tokenizer, eos, request.max_new_tokens, request.stop)
         started = time.perf_counter()
+        drafting = proposer  # set to None when the proposer fails; `proposer` is still ended
         try:
             if proposer is not None:
                 proposer.start(session_id, request.prompt_ids)
             self.verifier.start_session(session_id, request.prompt_ids, timeout())
             if proposer is not None:
-                proposer.ready()  # its prefill ran alongside the verifier's; wait for what is left of it
+                try:
+                    proposer.ready()  # its prefill ran alongside the verifier's; wait for what is left of it
+                except ProposerUnavailable as exc:
+                    drafting = self._fall_back(exc, stats)
             stats.prefill_ms = (time.perf_counter() - started) * 1e3
-            rounds = (self._speculative_rounds(session_id, request, proposer, stats, output, timeout)
-                      if proposer is not None else self._target_only_rounds(session_id, request, stats, output, timeout))
+            rounds = (self._speculative_rounds(session_id, request, drafting, stats, output, timeout)
+                      if drafting is not None else self._target_only_rounds(session_id, request, stats, output, timeout))
             for new_tokens in rounds:
                 delta = output.add(new_tokens)
                 stats.output_tokens = len(output.token_ids)
@@ -123,10 +136,27 @@ class SpeculativeEngine:
                     self.metrics.observe_request(stats.output_tokens, stats.total_ms / 1e3,
                                                  delta.finish_reason.name.lower())
                     return
+                self._check_caller(cancelled, timeout, stats)
         finally:
             if proposer is not None:
                 proposer.end()
             self.verifier.end_session(session_id)
+
+    @staticmethod
+    def _check_caller(cancelled, timeout, stats: Stats) -> None:
+        """Between rounds: stop if the caller has gone or its deadline has passed."""
+        if cancelled():
+            raise Cancelled(f"cancelled by the client after {stats.output_tokens} tokens")
+        remaining = timeout()
+        if remaining is not None and remaining <= 0:
+            raise DeadlineExceeded(f"the deadline passed after {stats.output_tokens} tokens "
+                                   f"({stats.rounds} rounds); raise the client's timeout or lower max_new_tokens")
+
+    def _fall_back(self, exc: ProposerUnavailable, stats: Stats) -> None:
+        stats.fallback = str(exc)
+        self.metrics.fallbacks.inc()
+        self.on_proposer_failure(exc)
+        return None
 
     def _speculative_rounds(self, session_id: str, request: GenerationRequest, proposer: Proposer, stats: Stats,
                             output: OutputAccumulator, timeout) -> Iterator[list[int]]:
@@ -134,6 +164,11 @@ class SpeculativeEngine:
             if request.adaptive else None
         try:
             yield from self._rounds(session_id, request, proposer, stats, output, timeout, controller)
+        except ProposerUnavailable as exc:
+            # Raised by propose(), before this round's Verify: the verifier's session
+            # is whole, and target-only decoding carries on from exactly there.
+            self._fall_back(exc, stats)
+            yield from self._target_only_rounds(session_id, request, stats, output, timeout)
         finally:
             if controller is not None:
                 self.gamma_priors.finish(request.sampling, controller.state)

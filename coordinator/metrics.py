@@ -2,7 +2,7 @@
 what gets accepted (also per draft position), and how fast it all goes."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 
 class Metrics:
@@ -19,6 +19,13 @@ class Metrics:
                                    ["position"], registry=r)
         self.output_tokens = Counter("specdec_output_tokens", "Tokens returned to clients", registry=r)
         self.requests = Counter("specdec_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.fallbacks = Counter("specdec_drafter_fallbacks", "Requests that went on target-only after the "
+                                 "proposer failed", registry=r)
+        self.rejected = Counter("specdec_requests_rejected", "Requests refused before any work", ["reason"],
+                                registry=r)
+        self.in_flight = Gauge("specdec_requests_in_flight", "Generate calls being served", registry=r)
+        self.backend_up = Gauge("specdec_backend_up", "1 while the backend answers its health checks",
+                                ["backend"], registry=r)
         self.round_seconds = Histogram("specdec_round_seconds", "Round latency (draft + verify)", registry=r,
                                        buckets=(.005, .01, .025, .05, .1, .2, .3, .5, .75, 1, 2, 5))
         self.gamma = Histogram("specdec_gamma", "Draft tokens asked for per round", registry=r,

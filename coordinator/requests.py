@@ -83,7 +83,7 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
             gamma, adaptive = min(limits.gamma_max, limits.max_gamma), True
         if gamma > limits.max_gamma:
             raise InvalidArgument(f"speculation.gamma={gamma} is over the proposer's limit of {limits.max_gamma}")
-    return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop, adaptive)
+    return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop, adaptive, request.ignore_eos)
 
 
 def stats_to_proto(stats: Stats) -> coordinator_pb2.GenerationStats:
@@ -93,7 +93,7 @@ def stats_to_proto(stats: Stats) -> coordinator_pb2.GenerationStats:
         acceptance_by_position=stats.acceptance_by_position, prefill_ms=stats.prefill_ms, draft_ms=stats.draft_ms,
         verify_ms=stats.verify_ms, overhead_ms=stats.overhead_ms, total_ms=stats.total_ms,
         tokens_per_second=stats.tokens_per_second,
-        prompt_tokens=stats.prompt_tokens, gamma=stats.gamma)
+        prompt_tokens=stats.prompt_tokens, gamma=stats.gamma, fallback=stats.fallback)
 
 
 def update_to_proto(update: Update, with_stats: bool) -> coordinator_pb2.GenerateResponse:

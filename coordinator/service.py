@@ -3,31 +3,30 @@ refuse to run unless their tokenizers are identical, then serve."""
 from __future__ import annotations
 
 import logging
+import threading
+import uuid
 from dataclasses import dataclass
 
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
 from specdec import telemetry
-from specdec.errors import FailedPrecondition
+from specdec.errors import ResourceExhausted, Unavailable
 from specdec.model_service import MAX_PROPOSE_TOKENS
 from specdec.ngram import NgramProposer
-from specdec.proposer import Proposer
-from specdec.serving import RunningServer, start_server, wait_until_serving
-from specdec.tokenizer_fingerprint import describe, first_difference, load_tokenizer_files, tokenizer_fingerprint
+from specdec.proposer import Proposer, ProposerUnavailable
+from specdec.security import ClientTls, ServerTls
+from specdec.serving import MAX_PUBLIC_MESSAGE_BYTES, RunningServer, start_server
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-from coordinator.clients import DrafterClient, RemoteDraftProposer, VerifierClient
+from coordinator.backends import Backends, TokenizerMismatch, WatchSettings  # noqa: F401 - re-exported
+from coordinator.clients import RemoteDraftProposer
 from coordinator.engine import SpeculativeEngine
 from coordinator.metrics import Metrics
 from coordinator.requests import Limits, request_attributes, response_attributes, to_domain, update_to_proto
 
 log = logging.getLogger("coordinator")
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
-
-
-class TokenizerMismatch(FailedPrecondition):
-    pass
 
 
 @dataclass
@@ -40,41 +39,19 @@ class CoordinatorConfig:
     max_new_tokens: int = 128
     connect_timeout_s: float = 300.0
     metrics_port: int | None = None  # Prometheus /metrics on this port (0 picks one); None = off
+    max_sessions: int = 64           # Generate calls served at once; beyond, RESOURCE_EXHAUSTED
+    max_message_bytes: int = MAX_PUBLIC_MESSAGE_BYTES
+    tls: ServerTls | None = None     # the public port's TLS (mutual with tls.client_ca)
+    auth_token: str | None = None    # bearer token required on Generate calls
+    backend_tls: ClientTls | None = None  # to reach a drafter/verifier that serves TLS
+    log_prompts: bool = False        # prompt text in the logs (off: only counts and timings)
+    watch: WatchSettings = WatchSettings()
 
     def __post_init__(self) -> None:
         if self.proposer not in ("drafter", "ngram"):
             raise ValueError(f"unknown proposer {self.proposer!r}; expected 'drafter' or 'ngram'")
-
-
-class Backends:
-    """The two model services, checked to be compatible."""
-
-    def __init__(self, config: CoordinatorConfig):
-        self.verifier = VerifierClient(config.verifier)
-        self.drafter = DrafterClient(config.drafter) if config.drafter else None
-        for client in filter(None, (self.verifier, self.drafter)):
-            wait_until_serving(client.address, config.connect_timeout_s)
-        self.target_info = self.verifier.info()
-        self.tokenizer = load_tokenizer_files(self.verifier.tokenizer_files())
-        if tokenizer_fingerprint(self.tokenizer) != self.target_info.tokenizer_fingerprint:
-            raise FailedPrecondition("the verifier's tokenizer changed in transfer: fingerprints differ")
-        self.draft_info = self.drafter.info() if self.drafter else None
-        if self.draft_info is not None:
-            self.check_tokenizers()
-
-    def check_tokenizers(self) -> None:
-        if self.draft_info.tokenizer_fingerprint == self.target_info.tokenizer_fingerprint:
-            return
-        draft_tokenizer = load_tokenizer_files(self.drafter.tokenizer_files())
-        difference = first_difference(describe(draft_tokenizer), describe(self.tokenizer)) or (
-            "fingerprints differ but no field does (different tokenizer library versions?)")
-        raise TokenizerMismatch(
-            f"draft ({self.draft_info.model}) and target ({self.target_info.model}) tokenizers differ: {difference}. "
-            "Speculative decoding needs identical tokenizers; pick a draft model from the target's family.")
-
-    def close(self) -> None:
-        for client in filter(None, (self.verifier, self.drafter)):
-            client.close()
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -89,14 +66,60 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             gamma_max=config.gamma_max)
         self.metrics = Metrics()
         self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids),
-                                        self.metrics)
+                                        self.metrics, on_proposer_failure=self._proposer_failed)
+        self._slots = threading.BoundedSemaphore(config.max_sessions)
+        self._in_flight = 0
+        self._idle = threading.Condition()
+        for name, watch in (("verifier", backends.verifier_watch), ("drafter", backends.drafter_watch)):
+            if watch is not None:
+                gauge = self.metrics.backend_up.labels(name)
+                gauge.set(1)
+                watch.on_change(lambda up, gauge=gauge: gauge.set(int(up)))
 
-    def _proposer(self, timeout) -> Proposer:
+    def _proposer(self, timeout) -> Proposer | None:
         if self.config.proposer == "ngram":
             return NgramProposer(self.limits.vocab_size)
+        if not self.backends.drafter_up:
+            return None  # drafter down: decode target-only until the watcher finds it again
         return RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint, timeout)
 
+    def _proposer_failed(self, exc: ProposerUnavailable) -> None:
+        watch = self.backends.drafter_watch
+        if watch is not None and exc.code is not None and exc.code.name in ("UNAVAILABLE", "NOT_FOUND", "INTERNAL",
+                                                                            "UNKNOWN", "FAILED_PRECONDITION"):
+            watch.mark_down(str(exc))
+
+    def _admit(self) -> None:
+        verifier = self.backends.verifier_watch
+        if not verifier.up:
+            self.metrics.rejected.labels("verifier_down").inc()
+            raise Unavailable(f"the verifier at {verifier.client.address} is unavailable ({verifier.reason}); "
+                              "the coordinator reconnects on its own, retry shortly")
+        if not self._slots.acquire(blocking=False):
+            self.metrics.rejected.labels("max_sessions").inc()
+            raise ResourceExhausted(f"{self.config.max_sessions} requests are in flight, the limit "
+                                    "(--max-sessions); retry with backoff")
+
     def _updates(self, request, context):
+        self._admit()
+        self.metrics.in_flight.inc()
+        with self._idle:
+            self._in_flight += 1
+        try:
+            yield from self._generate(request, context)
+        finally:
+            self.metrics.in_flight.dec()
+            self._slots.release()
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until no request is running; False if some still are after `timeout_s`."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._in_flight == 0, timeout_s)
+
+    def _generate(self, request, context):
         # One trace per Generate, rooted here (or under the client's span if it sent W3C context).
         parent = propagate.extract({k: v for k, v in context.invocation_metadata() if isinstance(v, str)})
         with telemetry.tracer.start_as_current_span("generate", context=parent, kind=SpanKind.SERVER) as span:
@@ -109,11 +132,25 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 if remaining is None or remaining > 1e6:  # no deadline set by the client
                     return None
                 return remaining
+            request_id = uuid.uuid4().hex
+            proposer = self._proposer(timeout) if domain.gamma > 0 else None
             last = None
-            for last in self.engine.generate(domain, self._proposer(timeout) if domain.gamma > 0 else None, timeout):
+            for last in self.engine.generate(domain, proposer, timeout, lambda: not context.is_active(), request_id):
                 yield last
-            if last is not None:
-                span.set_attributes(response_attributes(last))
+            span.set_attributes(response_attributes(last))
+            self._log(request_id, request, domain, last)
+
+    def _log(self, request_id, request, domain, last) -> None:
+        s = last.stats
+        line = (f"request {request_id[:12]}: {s.prompt_tokens} prompt tokens -> {s.output_tokens} tokens "
+                f"({last.delta.finish_reason.name.lower()}) in {s.total_ms:.0f} ms, {s.tokens_per_second:.1f} tok/s, "
+                f"{s.rounds} rounds, acceptance {s.acceptance_rate:.2f}")
+        if s.fallback:
+            line += f", went target-only: {s.fallback}"
+        if self.config.log_prompts:  # opt-in: prompts are the users' data
+            kind = request.WhichOneof("input")
+            line += f", {kind}: {str(getattr(request, kind))[:500]!r}"
+        log.info("%s", line)
 
     def Generate(self, request, context) -> coordinator_pb2.GenerateResponse:
         text, token_ids, last = [], [], None
@@ -137,13 +174,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
 def serve(config: CoordinatorConfig, host: str = "127.0.0.1", port: int = 0) -> tuple[RunningServer, Backends]:
     """Connect and check the backends (raises TokenizerMismatch), then serve."""
-    backends = Backends(config)
+    backends = Backends(config.verifier, config.drafter if config.proposer == "drafter" else None,
+                        config.connect_timeout_s, config.backend_tls, config.watch)
     servicer = CoordinatorServicer(backends, config)
     running = start_server(lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
-                           [SERVICE_NAME], host=host, port=port, traced=False)
+                           [SERVICE_NAME], host=host, port=port, traced=False, tls=config.tls,
+                           auth_token=config.auth_token, max_message_bytes=config.max_message_bytes,
+                           max_workers=config.max_sessions + 8)  # spare workers answer health checks under load
     if config.metrics_port is not None:
         http_server, _ = servicer.metrics.serve(config.metrics_port, host)
         running.metrics_port = http_server.server_port
         log.info("metrics on http://%s:%d/metrics", host, running.metrics_port)
-    running.set_serving(True)
+    running.drain = servicer.drain
+    # The coordinator is ready exactly when its verifier is.
+    backends.verifier_watch.on_change(running.set_serving)
+    running.set_serving(backends.verifier_watch.up)
     return running, backends

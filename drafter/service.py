@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 from specdec.errors import InvalidArgument
-from specdec.model_service import MAX_PROPOSE_TOKENS, ModelServiceBase, serve_model
+from specdec.model_service import MAX_PROPOSE_TOKENS, ModelServiceBase, serve_model, validate_token_ids
 from specdec.models import LoadedModel
 from specdec.proposer import Commit
 from specdec.serving import RunningServer
@@ -24,6 +24,8 @@ class DrafterServicer(ModelServiceBase[DraftSession], drafter_pb2_grpc.DrafterSe
         sampling = sampling_from_proto(request.sampling)
         commit = (Commit(request.commit.num_accepted, tuple(request.commit.target_token_ids))
                   if request.HasField("commit") else None)
+        if commit is not None:
+            validate_token_ids(commit.target_token_ids, self.loaded.vocab_size, "commit.target_token_ids")
         with self.sessions.use(request.session_id) as session:
             session.commit(commit)
             ids, probs = session.propose(request.num_tokens, sampling)

@@ -13,6 +13,7 @@ from google.protobuf import json_format
 from specdec import launcher, registry
 from specdec.errors import SpecdecError
 from specdec.models import DEFAULT_PAIR, PAIRS
+from specdec.security import ClientTls, load_token
 from specdec.serving import channel
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -22,7 +23,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     options = launcher.StackOptions.for_pair(
         pair, draft_model=args.draft_model, target_model=args.target_model, draft_quantize=args.draft_quantize,
         head_vocab=args.head_vocab, device=args.device, host=args.host, port=args.port, gamma=args.gamma,
-        gamma_max=args.gamma_max, trace_file=args.trace_file, ready_timeout_s=args.ready_timeout)
+        gamma_max=args.gamma_max, trace_file=args.trace_file, ready_timeout_s=args.ready_timeout,
+        coordinator_args=coordinator_passthrough(args))
     children: list[launcher.Child] = []
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -45,6 +47,19 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     finally:
         launcher.stop(children)
+
+
+# `specdec up` options handed to the coordinator as they are.
+PASSTHROUGH = ("max_sessions", "auth_token_env", "auth_token_file", "tls_cert", "tls_key", "tls_client_ca")
+
+
+def coordinator_passthrough(args: argparse.Namespace) -> tuple[str, ...]:
+    out: list[str] = []
+    for name in PASSTHROUGH:
+        value = getattr(args, name)
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), str(value)]
+    return tuple(out)
 
 
 def build_request(args: argparse.Namespace) -> coordinator_pb2.GenerateRequest:
@@ -73,7 +88,13 @@ def build_request(args: argparse.Namespace) -> coordinator_pb2.GenerateRequest:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     request = build_request(args)
-    with channel(args.addr) as ch:
+    try:
+        tls = ClientTls.from_args(args.tls_ca, args.tls_cert, args.tls_key)
+        token = load_token(args.auth_token_env, args.auth_token_file)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with channel(args.addr, tls, token) as ch:
         stub = coordinator_pb2_grpc.CoordinatorStub(ch)
         try:
             if not args.stream:
@@ -144,6 +165,12 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051, help="coordinator port")
     up.add_argument("--device", default="cpu", help="cpu or cuda")
     up.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for each service")
+    up.add_argument("--max-sessions", type=int, help="coordinator: Generate calls at once (default 64)")
+    up.add_argument("--auth-token-env", metavar="VAR", help="coordinator: require this bearer token (env var)")
+    up.add_argument("--auth-token-file", metavar="PATH", help="coordinator: ... or the token in this file")
+    up.add_argument("--tls-cert", help="coordinator: serve TLS with this certificate")
+    up.add_argument("--tls-key", help="coordinator: ... and key")
+    up.add_argument("--tls-client-ca", help="coordinator: require client certificates from this CA (mTLS)")
     up.set_defaults(func=cmd_up)
 
     gen = sub.add_parser("generate", help="call Generate on a running coordinator")
@@ -164,6 +191,11 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the whole response, stats included")
     gen.add_argument("--stats", action="store_true", help="then a one-line summary of the stats (stderr)")
     gen.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    gen.add_argument("--tls-ca", help="connect with TLS, trusting this CA")
+    gen.add_argument("--tls-cert", help="client certificate, for mutual TLS")
+    gen.add_argument("--tls-key", help="... and its key")
+    gen.add_argument("--auth-token-env", metavar="VAR", help="send the bearer token in this environment variable")
+    gen.add_argument("--auth-token-file", metavar="PATH", help="... or in this file")
     gen.set_defaults(func=cmd_generate)
 
     models = sub.add_parser("models", help="the model registry: list, pull NAME..., path NAME...")
@@ -174,6 +206,9 @@ def parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="Spec-Bench through the gRPC stack against the peers (see --help)",
                            add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    load = sub.add_parser("load", help="N concurrent clients: latency p50/p99, errors, RSS (see --help)",
+                          add_help=False)
+    load.add_argument("load_args", nargs=argparse.REMAINDER)
     traces = sub.add_parser("traces", help="per-round table and summary from a --trace-file (see --help)",
                             add_help=False)
     traces.add_argument("traces_args", nargs=argparse.REMAINDER)
@@ -185,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["bench"]:  # its options are its own (argparse.REMAINDER would not pass them on)
         from specdec import bench
         sys.exit(bench.main(argv[1:]))
+    if argv[:1] == ["load"]:
+        from specdec import load
+        sys.exit(load.main(argv[1:]))
     if argv[:1] == ["traces"]:
         from specdec import traces
         sys.exit(traces.main(argv[1:]))

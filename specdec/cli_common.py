@@ -11,12 +11,37 @@ import torch
 from specdec import telemetry
 from specdec.errors import SpecdecError
 from specdec.models import LoadedModel, load_model
-from specdec.serving import RunningServer, run_until_signal
+from specdec.security import ServerTls
+from specdec.serving import RunningServer, run_until_signal, serve_health
 
 
 def setup_logging(name: str) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+
+
+def add_tls_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("TLS")
+    group.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
+    group.add_argument("--tls-key", help="... and this private key (PEM)")
+    group.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
+
+
+def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--grace-period", type=float, default=25.0,
+                        help="on SIGTERM, seconds in-flight calls get to finish before they are cancelled")
+    parser.add_argument("--health-port", type=int,
+                        help="also serve grpc.health.v1 alone, in plaintext, on this port (for kubelet probes)")
+    parser.add_argument("--health-host", default="0.0.0.0", help="bind address of --health-port")
+
+
+def start_health(running: RunningServer, args: argparse.Namespace) -> None:
+    if args.health_port is not None:
+        serve_health(running, args.health_host, args.health_port)
+
+
+def server_tls(args: argparse.Namespace) -> ServerTls | None:
+    return ServerTls.from_args(args.tls_cert, args.tls_key, args.tls_client_ca)
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_quantize: str) -> None:
@@ -34,6 +59,8 @@ def add_model_args(parser: argparse.ArgumentParser, default_quantize: str) -> No
     parser.add_argument("--trace-file", help="also write spans as OTLP-JSON lines to this file (tracing is off "
                         "unless this or OTEL_EXPORTER_OTLP_ENDPOINT is set)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    add_tls_server_args(parser)
+    add_lifecycle_args(parser)
 
 
 def run_model_service(name: str, args: argparse.Namespace,
@@ -44,13 +71,15 @@ def run_model_service(name: str, args: argparse.Namespace,
         torch.set_num_threads(args.threads)
     telemetry.configure(name, args.trace_file)
     try:
+        tls = server_tls(args)
         loaded: LoadedModel = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
                                         head_vocab=args.head_vocab)
         running = serve(loaded, host=args.host, port=args.port, session_ttl_s=args.session_ttl,
-                        max_sessions=args.max_sessions)
-    except SpecdecError as exc:
+                        max_sessions=args.max_sessions, tls=tls)
+        start_health(running, args)
+    except (SpecdecError, ValueError, OSError) as exc:
         log.error("%s", exc)
         sys.exit(2)
     # One parseable line, for `specdec up` and for people.
     print(f"{name} SERVING on {args.host}:{running.port} model={loaded.name}", flush=True)
-    run_until_signal(running)
+    run_until_signal(running, grace_s=args.grace_period)

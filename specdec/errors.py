@@ -45,6 +45,10 @@ class DeadlineExceeded(SpecdecError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Cancelled(SpecdecError):
+    code = grpc.StatusCode.CANCELLED
+
+
 class RemoteError(SpecdecError):
     """A downstream service's failure, with its status code kept."""
 

@@ -52,15 +52,19 @@ def wait_serving(child: Child, ready_timeout_s: float) -> Child:
     return child
 
 
-def stop(children: list[Child], grace_s: float = 15.0) -> None:
-    for child in reversed(children):
-        if child.process.poll() is None:
-            child.process.send_signal(signal.SIGTERM)
-    for child in reversed(children):
-        try:
-            child.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            child.process.kill()
+def stop(children: list[Child], grace_s: float = 30.0) -> None:
+    """SIGTERM the coordinator first and let it drain its requests, then the
+    model services it was using (they would otherwise fail its in-flight rounds)."""
+    front = [c for c in children if c.name == "coordinator"]
+    for group in (front, [c for c in children if c not in front]):
+        for child in group:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        for child in group:
+            try:
+                child.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                child.process.kill()
 
 
 @dataclass
@@ -78,6 +82,7 @@ class StackOptions:
     trace_file: str | None = None
     ready_timeout_s: float = 900.0
     threads: int = 0
+    coordinator_args: tuple[str, ...] = ()  # passed on as they are (auth, TLS, limits)
 
     @classmethod
     def for_pair(cls, pair: Pair, **overrides) -> "StackOptions":
@@ -109,5 +114,6 @@ def launch(options: StackOptions, children: list[Child]) -> Child:
     drafter, verifier = (wait_serving(child, options.ready_timeout_s) for child in children[-2:])
     children.append(spawn("coordinator", "coordinator", [
         "--drafter", drafter.address, "--verifier", verifier.address, "--host", options.host,
-        "--port", str(options.port), "--gamma", str(options.gamma), "--gamma-max", str(options.gamma_max), *tracing]))
+        "--port", str(options.port), "--gamma", str(options.gamma), "--gamma-max", str(options.gamma_max), *tracing,
+        *options.coordinator_args]))
     return wait_serving(children[-1], options.ready_timeout_s)

@@ -14,6 +14,16 @@ from typing import Sequence
 from specdec.sampling import SamplingConfig
 
 
+class ProposerUnavailable(Exception):
+    """The proposer cannot go on with this generation (its service died, lost
+    the session, refused it). Drafting only ever saves time, so the loop goes on
+    with target-only decoding: the output is the same."""
+
+    def __init__(self, reason: str, code=None):
+        super().__init__(reason)
+        self.code = code  # the grpc.StatusCode behind it, when there is one
+
+
 @dataclass(frozen=True)
 class Commit:
     """The outcome of the previous round, as the proposer must learn it."""

@@ -20,18 +20,36 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec import telemetry
 from specdec.errors import StatusInterceptor
+from specdec.security import BearerToken, BearerTokenInterceptor, ClientTls, ServerTls
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a Qwen2 tokenizer.json is ~7 MB; draft probs ~1.5 MB/round
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+# Set explicitly rather than left to gRPC's defaults (4 MB in, unlimited out).
+# Between the services: a Qwen2 tokenizer.json is ~7 MB, draft probs ~1.5 MB a round.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The public API: a prompt beyond the context window of any model here is far smaller.
+MAX_PUBLIC_MESSAGE_BYTES = 4 * 1024 * 1024
+# A backend that restarts is found again within a couple of seconds, not gRPC's default 2 minutes.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
-def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=GRPC_OPTIONS)
+def message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
+
+
+
+def channel(address: str, tls: ClientTls | None = None, token: str | None = None,
+            max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
+    """A channel to one of our services: TLS when `tls` is given, the bearer token on every call."""
+    options = message_options(max_message_bytes) + RECONNECT_OPTIONS
+    if tls is None and token is None:
+        return grpc.insecure_channel(address, options=options)
+    credentials = tls.credentials() if tls else grpc.local_channel_credentials()
+    if token is not None:
+        credentials = grpc.composite_channel_credentials(
+            credentials, grpc.metadata_call_credentials(BearerToken(token)))
+    return grpc.secure_channel(address, credentials, options=options)
 
 
 @dataclass
@@ -41,6 +59,10 @@ class RunningServer:
     port: int
     service_names: tuple[str, ...]
     metrics_port: int | None = None  # the coordinator's Prometheus endpoint, when on
+    # Waits (up to the given seconds) for handlers still unwinding after the server stopped.
+    drain: Callable[[float], bool] | None = None
+    health_server: grpc.Server | None = None  # the health-only listener, when --health-port is set
+    health_port: int | None = None
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -50,6 +72,11 @@ class RunningServer:
     def stop(self, grace_s: float = 5.0) -> None:
         self.set_serving(False)
         self.server.stop(grace_s).wait()
+        if self.health_server is not None:
+            self.health_server.stop(0)
+        # Calls cut off at the grace period stop within a round; let them end their sessions.
+        if self.drain is not None and not self.drain(10.0):
+            log.warning("requests still running 10 s after the server stopped")
 
     def wait(self) -> None:
         self.server.wait_for_termination()
@@ -62,28 +89,51 @@ def start_server(
     port: int = 0,
     max_workers: int = 16,
     traced: bool = True,
+    tls: ServerTls | None = None,
+    auth_token: str | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> RunningServer:
     """Start a server with the status interceptor, health (NOT_SERVING) and reflection.
 
     traced: a server span per call when tracing is on (the coordinator says no:
-    its `generate` span is the root of each trace)."""
+    its `generate` span is the root of each trace).
+    max_workers: calls served at once; keep it above the session limit so that
+    health checks are answered while every session is busy."""
+    interceptors = [*(telemetry.server_interceptors() if traced else []), StatusInterceptor()]
+    if auth_token is not None:
+        interceptors.insert(0, BearerTokenInterceptor(auth_token))  # refused before any work or span
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[*(telemetry.server_interceptors() if traced else []), StatusInterceptor()],
-        options=GRPC_OPTIONS,
+        interceptors=interceptors,
+        options=message_options(max_message_bytes),
     )
     register(server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = tuple(service_names)
     reflection.enable_server_reflection(names + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     server.start()
     running = RunningServer(server, health_servicer, bound, names)
     running.set_serving(False)
     return running
+
+
+def serve_health(running: RunningServer, host: str, port: int) -> int:
+    """A second, plaintext listener with only grpc.health.v1, sharing the main
+    server's status. Kubelet gRPC probes reach it on the pod IP while the service
+    itself stays on loopback, or behind TLS, which those probes cannot speak."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
+    health_pb2_grpc.add_HealthServicer_to_server(running.health, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the health port {host}:{port}")
+    server.start()
+    running.health_server, running.health_port = server, bound
+    return bound
 
 
 def run_until_signal(running: RunningServer, grace_s: float = 10.0, on_stop: Callable[[], None] | None = None) -> None:
@@ -103,10 +153,10 @@ def run_until_signal(running: RunningServer, grace_s: float = 10.0, on_stop: Cal
     telemetry.shutdown()
 
 
-def wait_until_serving(address: str, timeout_s: float, service: str = "") -> None:
+def wait_until_serving(address: str, timeout_s: float, service: str = "", tls: ClientTls | None = None) -> None:
     """Block until `address` reports SERVING, or raise TimeoutError."""
     deadline = time.monotonic() + timeout_s
-    with channel(address) as ch:
+    with channel(address, tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         last = "no answer"
         while time.monotonic() < deadline:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -12,7 +13,7 @@ import pytest
 
 import drafter.service
 import verifier.service
-from coordinator.service import CoordinatorConfig, serve as serve_coordinator
+from coordinator.service import Backends, CoordinatorConfig, serve as serve_coordinator
 from specdec.models import LoadedModel, load_model
 from specdec.serving import RunningServer, channel
 from specdec.v1 import coordinator_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc
@@ -63,6 +64,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.05) -> bool:
+    """Poll until `predicate()` holds; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
+
+
 def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         call(*args, **kwargs)
@@ -72,10 +83,28 @@ def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
 @contextlib.contextmanager
 def coordinator_stub(**config) -> Iterator[coordinator_pb2_grpc.CoordinatorStub]:
     """A coordinator on a loopback port over the given backends, stopped afterwards."""
-    running, backends = serve_coordinator(CoordinatorConfig(connect_timeout_s=30, **config))
+    with served_coordinator(**config) as served:
+        yield served.stub
+
+
+@dataclass
+class ServedCoordinator:
+    stub: coordinator_pb2_grpc.CoordinatorStub
+    backends: Backends        # the health watches
+    running: RunningServer
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.running.port}"
+
+
+@contextlib.contextmanager
+def served_coordinator(**config) -> Iterator[ServedCoordinator]:
+    """Like coordinator_stub, also giving the coordinator's server and backends."""
+    running, backends = serve_coordinator(CoordinatorConfig(**{"connect_timeout_s": 30, **config}))
     try:
         with channel(f"127.0.0.1:{running.port}") as ch:
-            yield coordinator_pb2_grpc.CoordinatorStub(ch)
+            yield ServedCoordinator(coordinator_pb2_grpc.CoordinatorStub(ch), backends, running)
     finally:
         backends.close()
         running.stop(0)

@@ -42,6 +42,21 @@ BAD_GENERATE = {
     "gamma over limit": (pb.GenerateRequest(prompt="hi", speculation=pb.Speculation(gamma=1000)),
                          "speculation.gamma=1000 is over the proposer's limit of 32"),
     "empty stop string": (pb.GenerateRequest(prompt="hi", stop=[""]), "stop takes at most"),
+    "huge max_new_tokens": (pb.GenerateRequest(prompt="hi", max_new_tokens=2**31 - 1),
+                            "exceeds the target's context window"),
+    "huge prompt": (pb.GenerateRequest(prompt="the cat sat on the mat. " * 20_000, max_new_tokens=1),
+                    "shorten the prompt"),
+    "infinite temperature": (pb.GenerateRequest(prompt="hi", sampling=sampling(temperature=math.inf)),
+                             "temperature must be a finite number"),
+    "NaN top_p": (pb.GenerateRequest(prompt="hi", sampling=sampling(temperature=1, top_p=math.nan)), "top_p"),
+    "empty role": (pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="", content="x")])),
+                   "messages[0].role is ''"),
+}
+# Over the public port's message limit (4 MiB): gRPC itself refuses them.
+OVERSIZED = {
+    "prompt over the message limit": pb.GenerateRequest(prompt="x" * (5 << 20)),
+    "messages over the message limit": pb.GenerateRequest(messages=pb.ChatMessages(
+        messages=[pb.ChatMessage(role="user", content="y" * (1 << 20)) for _ in range(5)])),
 }
 
 
@@ -63,6 +78,14 @@ def test_bad_generate_requests(stack, name):
         error = rpc_error(call, request, timeout=30)
         assert error.code() == INVALID, (name, error.details())
         assert message in error.details(), (name, error.details())
+    assert_healthy_and_empty(stack)
+
+
+@pytest.mark.parametrize("name", list(OVERSIZED))
+def test_messages_over_the_size_limit_get_resource_exhausted(stack, name):
+    error = rpc_error(stack.coordinator_stub.Generate, OVERSIZED[name], timeout=30)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in error.details()
     assert_healthy_and_empty(stack)
 
 
@@ -110,6 +133,18 @@ def test_internal_bad_arguments(stack, sessions):
         (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(
             session_id=sessions, draft_token_ids=[1], draft_probs_fp16=b"\x00\x3c", sampling=sampling()),
          "must be empty when temperature is 0"),
+        (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(  # 2 drafts, probabilities for 3
+            session_id=sessions, draft_token_ids=[1, 2], draft_probs_fp16=b"\x00\x3c" * 3 * 512, sampling=hot),
+         "draft_probs_fp16 has 3072 bytes; expected 2048 for 2 draft tokens x vocab 512"),
+        (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(  # a vocabulary of the wrong size
+            session_id=sessions, draft_token_ids=[1], draft_probs_fp16=b"\x00\x3c" * 520, sampling=hot),
+         "expected 1024 for 1 draft tokens x vocab 512"),
+        (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(
+            session_id=sessions, draft_token_ids=[1] * 40, sampling=sampling()), "40 draft tokens is over the limit"),
+        (stack.drafter_stub.Propose, drafter_pb2.ProposeRequest(
+            session_id=sessions, num_tokens=1, sampling=hot,
+            commit=drafter_pb2.Commit(num_accepted=0, target_token_ids=[70000])),
+         "commit.target_token_ids contains token id 70000, outside the vocabulary"),
         (stack.verifier_stub.Decode, verifier_pb2.DecodeRequest(session_id=sessions, num_tokens=0, sampling=hot),
          "num_tokens must be in 1..4096"),
         (stack.drafter_stub.StartSession, common_pb2.StartSessionRequest(session_id="x", prompt_token_ids=[]),

@@ -13,7 +13,7 @@ import drafter.service
 from specdec.models import load_model
 from tests.conftest import free_port
 
-ENV = dict(os.environ, PYTHONUNBUFFERED="1")
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", SPECDEC_TEST_TOKEN="cli-test-token")
 
 
 def child_pids(parent: int) -> list[int]:
@@ -61,24 +61,27 @@ def test_coordinator_refuses_mismatched_tokenizers(stack, mismatched_drafter):
 
 def test_up_generate_and_stop():
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--pair", "tiny", "--port", str(port)],
+    auth = ("--auth-token-env", "SPECDEC_TEST_TOKEN")
+    up = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--pair", "tiny", "--port", str(port), *auth],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
         line = up.stdout.readline()
         assert f"coordinator on 127.0.0.1:{port}" in line, (line, up.stderr.read() if up.poll() else "")
+        anonymous = specdec("generate", "--addr", f"127.0.0.1:{port}", "--prompt", "def add(a, b):")
+        assert anonymous.returncode == 1 and "UNAUTHENTICATED" in anonymous.stderr
         result = specdec("generate", "--addr", f"127.0.0.1:{port}", "--prompt", "def add(a, b):",
-                         "--max-new-tokens", "12", "--json")
+                         "--max-new-tokens", "12", "--json", *auth)
         assert result.returncode == 0, result.stderr
         response = json.loads(result.stdout)
         assert len(response["tokenIds"]) == 12 and response["finishReason"] == "FINISH_REASON_LENGTH"
         assert response["stats"]["rounds"] >= 1 and "acceptanceRate" in response["stats"]
         target_only = specdec("generate", "--addr", f"127.0.0.1:{port}", "--prompt", "def add(a, b):",
-                              "--max-new-tokens", "12", "--json", "--no-speculation")
+                              "--max-new-tokens", "12", "--json", "--no-speculation", *auth)
         assert json.loads(target_only.stdout)["tokenIds"] == response["tokenIds"]
         streamed = specdec("generate", "--addr", f"127.0.0.1:{port}", "--prompt", "def add(a, b):",
-                           "--max-new-tokens", "12", "--stream")
+                           "--max-new-tokens", "12", "--stream", *auth)
         assert streamed.returncode == 0 and streamed.stdout.strip() == response["text"].strip()
-        bad = specdec("generate", "--addr", f"127.0.0.1:{port}", "--prompt", "x", "--top-p", "2")
+        bad = specdec("generate", "--addr", f"127.0.0.1:{port}", "--prompt", "x", "--top-p", "2", *auth)
         assert bad.returncode == 1 and "INVALID_ARGUMENT: top_p must be in (0, 1], got 2" in bad.stderr
     finally:
         children = child_pids(up.pid)

@@ -1,10 +1,15 @@
 """The session store: TTL reaping and admission limits."""
 from __future__ import annotations
 
+import grpc
 import pytest
 
+import drafter.service
 from specdec.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from specdec.serving import channel
 from specdec.sessions import SessionStore
+from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from tests.conftest import rpc_error, wait_for
 
 
 class Clock:
@@ -51,3 +56,18 @@ def test_a_failing_factory_leaves_no_session():
     with pytest.raises(ValueError):
         store.create("a", boom)
     assert len(store) == 0
+
+
+def test_a_real_service_reaps_an_abandoned_session(tiny_draft):
+    """A client that starts a session and vanishes: the reaper frees it after the TTL."""
+    running = drafter.service.serve(tiny_draft, session_ttl_s=0.5)
+    try:
+        with channel(f"127.0.0.1:{running.port}") as ch:
+            stub = drafter_pb2_grpc.DrafterStub(ch)
+            stub.StartSession(common_pb2.StartSessionRequest(session_id="abandoned", prompt_token_ids=[5, 6, 7]))
+            assert stub.Info(common_pb2.InfoRequest()).active_sessions == 1
+            assert wait_for(lambda: stub.Info(common_pb2.InfoRequest()).active_sessions == 0, 10)
+            error = rpc_error(stub.Propose, drafter_pb2.ProposeRequest(session_id="abandoned", num_tokens=2))
+            assert error.code() == grpc.StatusCode.NOT_FOUND and "reaped after 0.5 s idle" in error.details()
+    finally:
+        running.stop(0)

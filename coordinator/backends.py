@@ -1,0 +1,179 @@
+"""The drafter and the verifier as the coordinator sees them: connected,
+checked to share one tokenizer, and watched.
+
+A watcher per backend polls `grpc.health.v1`. A backend that stops answering is
+marked down at once (or when a call to it fails); while it is down the watcher
+retries with exponential backoff, and a backend that comes back is checked
+again before it is trusted: same tokenizer as the target, or it stays down.
+- drafter down: requests decode target-only (same output, just slower);
+- verifier down: requests fail fast with UNAVAILABLE, and the coordinator's
+  own health turns NOT_SERVING until it is back.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.errors import FailedPrecondition, SpecdecError
+from specdec.security import ClientTls
+from specdec.serving import wait_until_serving
+from specdec.tokenizer_fingerprint import describe, first_difference, load_tokenizer_files, tokenizer_fingerprint
+
+from coordinator.clients import DrafterClient, VerifierClient, ModelClient
+
+log = logging.getLogger("coordinator")
+
+
+class TokenizerMismatch(FailedPrecondition):
+    pass
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    interval_s: float = 1.0        # between checks while up
+    timeout_s: float = 2.0         # a check slower than this counts as down
+    min_backoff_s: float = 0.1     # between checks while down, doubling ...
+    max_backoff_s: float = 5.0     # ... up to this
+
+
+class BackendWatch:
+    """Up/down state of one backend, kept by a daemon thread."""
+
+    def __init__(self, name: str, client: ModelClient, recheck: Callable[[], None],
+                 settings: WatchSettings = WatchSettings()):
+        self.name = name
+        self.client = client
+        self.settings = settings
+        self._recheck = recheck  # raises when a backend that came back is not the one we checked
+        self._health = health_pb2_grpc.HealthStub(client.channel)
+        self._up = True
+        self.reason = ""
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._listeners: list[Callable[[bool], None]] = []
+        self._thread = threading.Thread(target=self._loop, name=f"watch-{name}", daemon=True)
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    def on_change(self, listener: Callable[[bool], None]) -> None:
+        self._listeners.append(listener)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(self.settings.timeout_s + 1)
+
+    def mark_down(self, reason: str) -> None:
+        """A call to the backend failed: stop using it now, and let the watcher find it again."""
+        self._set(False, reason)
+        self._wake.set()
+
+    def _set(self, up: bool, reason: str = "") -> None:
+        if self._stop.is_set():
+            return  # shutting down: the channel closing is not the backend failing
+        changed = up != self._up
+        self._up, self.reason = up, reason
+        if not changed:
+            return
+        if up:
+            log.info("%s at %s is back", self.name, self.client.address)
+        else:
+            log.warning("%s at %s is down: %s", self.name, self.client.address, reason)
+        for listener in self._listeners:
+            listener(up)
+
+    def _serving(self) -> tuple[bool, str]:
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.settings.timeout_s)
+        except grpc.RpcError as exc:
+            return False, f"{exc.code().name}: {exc.details()}"
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return False, f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+        return True, ""
+
+    def check_once(self) -> bool:
+        serving, reason = self._serving()
+        if serving and not self._up:
+            try:
+                self._recheck()
+            except (SpecdecError, grpc.RpcError) as exc:
+                serving, reason = False, f"came back but failed the identity check: {exc}"
+                log.error("%s at %s %s", self.name, self.client.address, reason)
+        self._set(serving, reason)
+        return serving
+
+    def _loop(self) -> None:
+        backoff = self.settings.min_backoff_s
+        while not self._stop.is_set():
+            if self.check_once():
+                backoff, delay = self.settings.min_backoff_s, self.settings.interval_s
+            else:
+                delay, backoff = backoff, min(backoff * 2, self.settings.max_backoff_s)
+            self._wake.wait(delay)
+            self._wake.clear()
+
+
+class Backends:
+    """The two model services, checked to be compatible, then watched."""
+
+    def __init__(self, verifier: str, drafter: str | None, connect_timeout_s: float,
+                 tls: ClientTls | None = None, watch: WatchSettings = WatchSettings()):
+        self.verifier = VerifierClient(verifier, tls)
+        self.drafter = DrafterClient(drafter, tls) if drafter else None
+        for client in filter(None, (self.verifier, self.drafter)):
+            wait_until_serving(client.address, connect_timeout_s, tls=tls)
+        self.target_info = self.verifier.info()
+        self.tokenizer = load_tokenizer_files(self.verifier.tokenizer_files())
+        if tokenizer_fingerprint(self.tokenizer) != self.target_info.tokenizer_fingerprint:
+            raise FailedPrecondition("the verifier's tokenizer changed in transfer: fingerprints differ")
+        self.draft_info = self.drafter.info() if self.drafter else None
+        if self.draft_info is not None:
+            self.check_tokenizers()
+        self.verifier_watch = BackendWatch("verifier", self.verifier, self._recheck_verifier, watch)
+        self.drafter_watch = BackendWatch("drafter", self.drafter, self._recheck_drafter, watch) \
+            if self.drafter else None
+        for w in filter(None, (self.verifier_watch, self.drafter_watch)):
+            w.start()
+
+    def check_tokenizers(self) -> None:
+        if self.draft_info.tokenizer_fingerprint == self.target_info.tokenizer_fingerprint:
+            return
+        draft_tokenizer = load_tokenizer_files(self.drafter.tokenizer_files())
+        difference = first_difference(describe(draft_tokenizer), describe(self.tokenizer)) or (
+            "fingerprints differ but no field does (different tokenizer library versions?)")
+        raise TokenizerMismatch(
+            f"draft ({self.draft_info.model}) and target ({self.target_info.model}) tokenizers differ: {difference}. "
+            "Speculative decoding needs identical tokenizers; pick a draft model from the target's family.")
+
+    def _recheck_drafter(self) -> None:
+        self.draft_info = self.drafter.info()
+        self.check_tokenizers()
+
+    def _recheck_verifier(self) -> None:
+        info = self.verifier.info()
+        if (info.tokenizer_fingerprint, info.vocab_size) != (self.target_info.tokenizer_fingerprint,
+                                                             self.target_info.vocab_size):
+            raise FailedPrecondition(f"the verifier now serves {info.model} with another tokenizer; restart the "
+                                     "coordinator to serve it")
+
+    @property
+    def drafter_up(self) -> bool:
+        return self.drafter_watch is not None and self.drafter_watch.up
+
+    def close(self) -> None:
+        for w in filter(None, (self.verifier_watch, self.drafter_watch)):
+            w.stop()
+        for client in filter(None, (self.verifier, self.drafter)):
+            client.close()
+

@@ -1,0 +1,87 @@
+"""Client cancellation and deadlines stop the work within one round and free
+both sessions; admission control refuses what is over --max-sessions."""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import grpc
+import pytest
+
+from specdec.v1 import common_pb2, coordinator_pb2 as pb
+from tests.conftest import rpc_error, served_coordinator, wait_for
+from tests.test_metrics import scrape
+
+LONG = 1000
+
+
+def long_request(**kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=LONG, ignore_eos=True,
+                              speculation=pb.Speculation(gamma=2), **kw)
+
+
+def sessions(stack) -> tuple[int, int]:
+    return tuple(stub.Info(common_pb2.InfoRequest(), timeout=5).active_sessions
+                 for stub in (stack.drafter_stub, stack.verifier_stub))
+
+
+@pytest.fixture
+def coordinator(stack):
+    with served_coordinator(drafter=stack.address(stack.drafter), verifier=stack.address(stack.verifier),
+                            metrics_port=0, max_sessions=3) as served:
+        yield served
+
+
+def rounds(coordinator) -> float:
+    return scrape(coordinator.running.metrics_port)[("specdec_rounds_total", ())]
+
+
+def test_cancelled_stream_stops_within_a_round_and_frees_both_sessions(stack, coordinator):
+    stream = coordinator.stub.GenerateStream(long_request(), timeout=60)
+    seen = 0
+    for message in stream:
+        seen += 1  # one message per round (no stop strings, EOS ignored)
+        if seen == 5:
+            break
+    stream.cancel()
+    assert wait_for(lambda: sessions(stack) == (0, 0), 5)
+    done = rounds(coordinator)
+    assert wait_for(lambda: coordinator.running.drain(0), 5)
+    assert rounds(coordinator) == done            # nothing runs on after the sessions are gone
+    assert seen <= done <= seen + 2, (seen, done)  # the round in flight, at most one more
+
+
+def test_deadline_stops_the_request_and_frees_both_sessions(stack, coordinator):
+    error = rpc_error(coordinator.stub.Generate, long_request(), timeout=0.3)
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_for(lambda: sessions(stack) == (0, 0), 5)
+    assert wait_for(lambda: coordinator.running.drain(0), 5)
+    done = rounds(coordinator)
+    # A whole request is ~LONG/3 rounds; 0.3 s of it must be far fewer, and nothing after.
+    assert 0 < done < LONG / 6
+    assert rounds(coordinator) == done
+
+
+def test_requests_over_max_sessions_get_resource_exhausted(stack, coordinator):
+    release = threading.Event()
+
+    def hold() -> int:
+        stream = coordinator.stub.GenerateStream(long_request(), timeout=60)
+        next(stream)
+        release.wait(30)
+        stream.cancel()
+        return 1
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        held = [pool.submit(hold) for _ in range(3)]
+        assert wait_for(lambda: sessions(stack) == (3, 3), 10)
+        error = rpc_error(coordinator.stub.Generate, long_request(), timeout=10)
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "3 requests are in flight, the limit (--max-sessions)" in error.details()
+        release.set()
+        assert sum(f.result() for f in held) == 3
+    assert wait_for(lambda: sessions(stack) == (0, 0), 5)
+    ok = coordinator.stub.Generate(pb.GenerateRequest(prompt="hi", max_new_tokens=4), timeout=30)
+    assert len(ok.token_ids) == 4 or ok.finish_reason == pb.FINISH_REASON_EOS
+    assert scrape(coordinator.running.metrics_port)[("specdec_requests_rejected_total",
+                                                      (("reason", "max_sessions"),))] == 1

@@ -1,0 +1,178 @@
+"""Faults with real processes: a drafter or a verifier killed mid-request (SIGKILL),
+then restarted on its port; the coordinator draining on SIGTERM."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec import launcher
+from specdec.serving import channel
+from specdec.v1 import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc
+from tests.conftest import served_coordinator, free_port, rpc_error, wait_for
+
+LONG = 600  # tokens: a few seconds of tiny-model rounds, so a fault lands mid-request
+
+
+class ModelProcess:
+    """A drafter or verifier subprocess on a fixed port, which can be killed and restarted."""
+
+    def __init__(self, name: str, model: str):
+        self.name, self.model, self.port = name, model, free_port()
+        self.child: launcher.Child | None = None
+        self.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.child = launcher.wait_serving(launcher.spawn(self.name, self.name, [
+            "--model", self.model, "--port", str(self.port), "--threads", "1"]), 120)
+
+    def kill(self) -> None:
+        self.child.process.send_signal(signal.SIGKILL)
+        self.child.process.wait(10)
+
+    def active_sessions(self) -> int:
+        stub_cls = drafter_pb2_grpc.DrafterStub if self.name == "drafter" else verifier_pb2_grpc.VerifierStub
+        with channel(self.address) as ch:
+            return stub_cls(ch).Info(common_pb2.InfoRequest(), timeout=5).active_sessions
+
+
+@pytest.fixture(scope="module")
+def models():
+    processes = [ModelProcess("drafter", "tiny-draft"), ModelProcess("verifier", "tiny-target")]
+    yield processes
+    launcher.stop([p.child for p in processes if p.child], grace_s=5)
+
+
+def long_request(speculate: bool = True) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=LONG, ignore_eos=True,
+                              speculation=pb.Speculation(enabled=speculate, gamma=4))
+
+
+def test_drafter_killed_mid_request_finishes_target_only_and_exact(models):
+    draft, target = models
+    with served_coordinator(drafter=draft.address, verifier=target.address) as c:
+        stub, backends = c.stub, c.backends
+        reference = list(stub.Generate(long_request(speculate=False), timeout=60).token_ids)
+        assert len(reference) == LONG
+        stream = stub.GenerateStream(long_request(), timeout=60)
+        received = list(next(stream).token_ids)
+        draft.kill()
+        final = None
+        for message in stream:  # no error reaches the client
+            received += message.token_ids
+            final = message
+        assert received == reference
+        assert final.stats.draft_tokens > 0 and "drafter at" in final.stats.fallback
+        assert wait_for(lambda: not backends.drafter_up, 10)
+        # While the drafter is down, new requests decode target-only at once.
+        down = stub.Generate(long_request(), timeout=60)
+        assert list(down.token_ids) == reference and down.stats.draft_tokens == 0
+        # It comes back: the watcher reconnects, checks the tokenizer again, speculation resumes.
+        draft.start()
+        assert wait_for(lambda: backends.drafter_up, 20)
+        back = stub.Generate(long_request(), timeout=60)
+        assert list(back.token_ids) == reference and back.stats.draft_tokens > 0 and not back.stats.fallback
+        assert target.active_sessions() == 0 and draft.active_sessions() == 0
+
+
+def coordinator_health(address: str) -> int:
+    with channel(address) as ch:
+        try:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        except grpc.RpcError:
+            return -1
+
+
+def test_verifier_killed_fails_fast_with_unavailable_and_recovers(models):
+    draft, target = models
+    with served_coordinator(drafter=draft.address, verifier=target.address) as c:
+        stub, backends = c.stub, c.backends
+        stream = stub.GenerateStream(long_request(), timeout=60)
+        next(stream)
+        target.kill()
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failed:
+            for _ in stream:
+                pass
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+        assert "verifier" in failed.value.details()
+        assert time.monotonic() - started < 5, "the in-flight request must fail, not hang"
+        # New requests fail fast while it is down, and the coordinator reports NOT_SERVING.
+        assert wait_for(lambda: not backends.verifier_watch.up, 10)
+        started = time.monotonic()
+        error = rpc_error(stub.Generate, long_request(), timeout=30)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "retry shortly" in error.details()
+        assert time.monotonic() - started < 1.0
+        assert draft.active_sessions() == 0  # the failed request's draft session was ended
+        # It comes back on its port: no coordinator restart needed.
+        target.start()
+        assert wait_for(lambda: backends.verifier_watch.up, 20)
+        ok = stub.Generate(pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=16), timeout=30)
+        assert len(ok.token_ids) > 0
+        assert target.active_sessions() == 0 and draft.active_sessions() == 0
+
+
+def test_coordinator_health_follows_the_verifier(models):
+    draft, target = models
+    with served_coordinator(drafter=draft.address, verifier=target.address) as c:
+        address = c.address
+        assert coordinator_health(address) == health_pb2.HealthCheckResponse.SERVING
+        target.kill()
+        assert wait_for(lambda: coordinator_health(address) == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+        target.start()
+        assert wait_for(lambda: coordinator_health(address) == health_pb2.HealthCheckResponse.SERVING, 20)
+
+
+def spawn_coordinator(models, grace_s: float) -> launcher.Child:
+    draft, target = models
+    return launcher.wait_serving(launcher.spawn("coordinator", "coordinator", [
+        "--drafter", draft.address, "--verifier", target.address, "--port", "0",
+        "--grace-period", str(grace_s)]), 120)
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(models):
+    child = spawn_coordinator(models, grace_s=30)
+    with channel(child.address) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        stream = stub.GenerateStream(long_request(), timeout=60)
+        received = list(next(stream).token_ids)
+        child.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = rpc_error(stub.Generate, long_request(), timeout=10)
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE
+        final = None
+        for message in stream:
+            received += message.token_ids
+            final = message
+        assert len(received) == LONG and final.finish_reason == pb.FINISH_REASON_LENGTH
+    assert child.process.wait(20) == 0
+    assert all(m.active_sessions() == 0 for m in models)
+
+
+def test_sigterm_cancels_what_outlives_the_grace_period(models):
+    child = spawn_coordinator(models, grace_s=0.5)
+    with channel(child.address) as ch:
+        stream = coordinator_pb2_grpc.CoordinatorStub(ch).GenerateStream(
+            pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=1000, ignore_eos=True,
+                               speculation=pb.Speculation(gamma=1)), timeout=60)
+        next(stream)
+        started = time.monotonic()
+        child.process.send_signal(signal.SIGTERM)
+        with pytest.raises(grpc.RpcError):
+            for _ in stream:
+                pass
+        try:
+            assert child.process.wait(15) == 0
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            raise
+        assert time.monotonic() - started < 10
+    assert wait_for(lambda: all(m.active_sessions() == 0 for m in models), 10)

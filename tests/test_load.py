@@ -1,0 +1,40 @@
+"""`specdec load` against `specdec up --pair tiny`-style subprocess services:
+zero errors from 1 to 32 clients, memory back where it was, p50/p99 reported;
+beyond --max-sessions, RESOURCE_EXHAUSTED and never a crash."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def run_load(tmp_path, *args: str) -> dict:
+    out = tmp_path / "load"
+    result = subprocess.run([sys.executable, "-m", "specdec.load", "--pair", "tiny", "--threads", "1",
+                             "--out", str(out), *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "| clients | requests | ok |" in result.stdout
+    return json.loads((out / "load.json").read_text())
+
+
+def test_load_from_1_to_32_clients_has_no_errors_and_no_leak(tmp_path):
+    report = run_load(tmp_path, "--clients", "1,8,32", "--requests", "48", "--max-new-tokens", "24")
+    assert [lv["clients"] for lv in report["levels"]] == [1, 8, 32]
+    for lv in report["levels"]:
+        assert lv["ok"] == 48 and lv["errors"] == {} and lv["refused"] == 0
+        assert 0 < lv["latency_p50_s"] <= lv["latency_p99_s"] <= lv["latency_max_s"]
+        assert lv["output_tokens"] == 48 * 24  # fixed length
+    # Concurrency queues work: 32 clients wait longer than one does.
+    assert report["levels"][2]["latency_p50_s"] > report["levels"][0]["latency_p50_s"]
+    before, after = report["rss_mib"]["before"], report["rss_mib"]["after"]
+    assert set(before) == {"drafter", "verifier", "coordinator"} and not report["exited_early"]
+    for name in before:
+        assert after[name] - before[name] < max(48.0, 0.08 * before[name]), (name, before[name], after[name])
+
+
+def test_admission_control_refuses_beyond_max_sessions(tmp_path):
+    report = run_load(tmp_path, "--clients", "16", "--requests", "64", "--max-new-tokens", "48",
+                      "--max-sessions", "4")
+    (level,) = report["levels"]
+    assert level["errors"] == {} and not report["exited_early"]
+    assert level["refused"] > 0 and level["ok"] > 0 and level["ok"] + level["refused"] == 64

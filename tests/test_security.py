@@ -1,0 +1,139 @@
+"""TLS, mutual TLS and bearer-token auth on the coordinator; mTLS between the
+coordinator and the model services; no prompt text in the logs."""
+from __future__ import annotations
+
+import logging
+
+import grpc
+import pytest
+import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import drafter.service
+import verifier.service
+from coordinator.service import CoordinatorConfig, serve as serve_coordinator
+from specdec.security import ClientTls, ServerTls, is_loopback, load_token
+from specdec.serving import channel
+from specdec.v1 import coordinator_pb2 as pb, coordinator_pb2_grpc
+from tests.conftest import rpc_error, served_coordinator
+
+TOKEN = "s3cret-token-for-tests"
+REQUEST = pb.GenerateRequest(prompt="The quick brown fox", max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1/localhost, and client certificates
+    from that CA and from an unrelated one, as PEM files."""
+    root = tmp_path_factory.mktemp("pki")
+    ca, other_ca = trustme.CA(), trustme.CA()
+    files = {"ca": ca.cert_pem, "other_ca": other_ca.cert_pem}
+    for name, issuer, identities in (("server", ca, ["127.0.0.1", "localhost"]), ("client", ca, ["client"]),
+                                     ("stranger", other_ca, ["stranger"])):
+        cert = issuer.issue_cert(*identities)
+        files[name + "_cert"] = cert.cert_chain_pems[0]
+        files[name + "_key"] = cert.private_key_pem
+    paths = {}
+    for name, blob in files.items():
+        path = root / f"{name}.pem"
+        blob.write_to_path(str(path))
+        paths[name] = str(path)
+    return paths
+
+
+def backends(stack) -> dict:
+    return {"drafter": stack.address(stack.drafter), "verifier": stack.address(stack.verifier)}
+
+
+def call(address: str, tls: ClientTls | None = None, token: str | None = None, metadata=()) -> pb.GenerateResponse:
+    with channel(address, tls, token) as ch:
+        return coordinator_pb2_grpc.CoordinatorStub(ch).Generate(REQUEST, timeout=30, metadata=metadata)
+
+
+def test_tls_serves_clients_that_trust_the_ca_and_no_others(stack, pki):
+    tls = ServerTls(pki["server_cert"], pki["server_key"])
+    with served_coordinator(**backends(stack), tls=tls) as c:
+        assert len(call(c.address, ClientTls(ca=pki["ca"])).token_ids) > 0
+        untrusted = rpc_error(call, c.address, ClientTls(ca=pki["other_ca"]))
+        assert untrusted.code() == grpc.StatusCode.UNAVAILABLE
+        plaintext = rpc_error(call, c.address)
+        assert plaintext.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mutual_tls_requires_a_client_certificate_from_the_ca(stack, pki):
+    tls = ServerTls(pki["server_cert"], pki["server_key"], client_ca=pki["ca"])
+    with served_coordinator(**backends(stack), tls=tls) as c:
+        ok = call(c.address, ClientTls(pki["ca"], pki["client_cert"], pki["client_key"]))
+        assert len(ok.token_ids) > 0
+        for client in (ClientTls(pki["ca"]), ClientTls(pki["ca"], pki["stranger_cert"], pki["stranger_key"])):
+            assert rpc_error(call, c.address, client).code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_bearer_token_is_required_on_generate_but_not_on_health(stack):
+    with served_coordinator(**backends(stack), auth_token=TOKEN) as c:
+        assert len(call(c.address, token=TOKEN).token_ids) > 0
+        for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)):
+            error = rpc_error(call, c.address, metadata=metadata)
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "authorization: Bearer <token>" in error.details()
+        with channel(c.address) as ch:
+            stream = coordinator_pb2_grpc.CoordinatorStub(ch).GenerateStream(REQUEST, timeout=30)
+            assert rpc_error(list, stream).code() == grpc.StatusCode.UNAUTHENTICATED
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_token_over_tls_and_from_env_or_file(stack, pki, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_TEST_TOKEN", f"  {TOKEN}\n")
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    assert load_token(env="SPECDEC_TEST_TOKEN") == TOKEN == load_token(file=str(token_file))
+    monkeypatch.setenv("SPECDEC_EMPTY", "")
+    with pytest.raises(ValueError, match="empty"):
+        load_token(env="SPECDEC_EMPTY")
+    with pytest.raises(ValueError, match="cannot read auth token file"):
+        load_token(file=str(tmp_path / "missing"))
+    tls = ServerTls(pki["server_cert"], pki["server_key"])
+    with served_coordinator(**backends(stack), tls=tls, auth_token=TOKEN) as c:
+        assert len(call(c.address, ClientTls(ca=pki["ca"]), token=TOKEN).token_ids) > 0
+        error = rpc_error(call, c.address, ClientTls(ca=pki["ca"]), token="nope")
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_model_services_over_mutual_tls(tiny_draft, tiny_target, pki):
+    server_tls = ServerTls(pki["server_cert"], pki["server_key"], client_ca=pki["ca"])
+    servers = [drafter.service.serve(tiny_draft, tls=server_tls), verifier.service.serve(tiny_target, tls=server_tls)]
+    try:
+        addresses = {"drafter": f"127.0.0.1:{servers[0].port}", "verifier": f"127.0.0.1:{servers[1].port}"}
+        client = ClientTls(pki["ca"], pki["client_cert"], pki["client_key"])
+        with served_coordinator(**addresses, backend_tls=client) as c:
+            response = c.stub.Generate(REQUEST, timeout=30)
+            assert response.stats.draft_tokens > 0
+        with pytest.raises(TimeoutError, match="not SERVING"):  # without a client certificate: no handshake
+            serve_coordinator(CoordinatorConfig(**addresses, backend_tls=ClientTls(pki["ca"]), connect_timeout_s=2))
+    finally:
+        for server in servers:
+            server.stop(0)
+
+
+def test_model_services_bind_loopback_by_default_and_warn_when_exposed(tiny_draft, caplog):
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    with caplog.at_level(logging.WARNING):
+        running = drafter.service.serve(tiny_draft, host="0.0.0.0")
+        running.stop(0)
+    assert "without mutual TLS" in caplog.text
+
+
+def test_no_prompt_text_in_logs_by_default(stack, caplog):
+    secret = "my confidential prompt about zebras"
+    with caplog.at_level(logging.DEBUG):
+        with served_coordinator(**backends(stack)) as c:
+            c.stub.Generate(pb.GenerateRequest(prompt=secret, max_new_tokens=4), timeout=30)
+            rpc_error(c.stub.Generate, pb.GenerateRequest(prompt=secret, max_new_tokens=0), timeout=30)
+    assert "prompt tokens ->" in caplog.text  # the request was logged, as counts
+    assert "zebras" not in caplog.text
+    with caplog.at_level(logging.INFO):
+        with served_coordinator(**backends(stack), log_prompts=True) as c:
+            c.stub.Generate(pb.GenerateRequest(prompt=secret, max_new_tokens=4), timeout=30)
+    assert "zebras" in caplog.text  # opted in
