@@ -126,10 +126,11 @@ class RemoteDraftProposer(Proposer):
         return ProposerUnavailable(f"drafter at {self.client.address}: {method}: {exc.code().name}: "
                                    f"{exc.details()}", exc.code())
 
-    def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None) -> Proposal:
+    def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None,
+                min_confidence: float = 0.0) -> Proposal:
         self._await_start()
         request = drafter_pb2.ProposeRequest(session_id=self._session_id, num_tokens=num_tokens,
-                                             sampling=sampling_to_proto(sampling))
+                                             sampling=sampling_to_proto(sampling), min_confidence=min_confidence)
         if commit is not None:
             request.commit.num_accepted = commit.num_accepted
             request.commit.target_token_ids.extend(commit.target_token_ids)
@@ -137,7 +138,8 @@ class RemoteDraftProposer(Proposer):
             reply = self.client.stub.Propose(request, timeout=self._timeout())
         except grpc.RpcError as exc:
             raise self._failure("Propose", exc) from exc
-        return Proposal(tuple(reply.draft_token_ids), reply.draft_probs_fp16, reply.vocab_size)
+        return Proposal(tuple(reply.draft_token_ids), reply.draft_probs_fp16, reply.vocab_size,
+                        tuple(reply.draft_confidences))
 
     def end(self) -> None:
         if self._session_id is None:

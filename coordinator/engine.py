@@ -34,6 +34,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     adaptive: bool = False          # γ chosen per round by a GammaController
     ignore_eos: bool = False        # keep going past EOS (load tests, benchmarks)
+    confidence_stop: bool = False   # adaptive: the drafter may end a round early (GammaController.min_confidence)
 
 
 @dataclass
@@ -185,7 +186,8 @@ class SpeculativeEngine:
                 proposal, draft_ms = Proposal(()), 0.0
                 if gamma > 0:
                     started = time.perf_counter()
-                    proposal = proposer.propose(gamma, request.sampling, commit)
+                    stop_below = controller.min_confidence() if controller and request.confidence_stop else 0.0
+                    proposal = proposer.propose(gamma, request.sampling, commit, stop_below)
                     draft_ms = (time.perf_counter() - started) * 1e3
                     commit = None
                 # 3. Verify: one target forward pass over the draft, then the rejection sampler.
@@ -207,7 +209,7 @@ class SpeculativeEngine:
                 self.metrics.observe_round(gamma, drafted, verdict.num_accepted, (draft_ms + verify_ms) / 1e3)
                 if controller is not None:
                     stats.gamma = gamma  # adaptive: the γ of the latest round
-                    controller.observe(drafted, verdict.num_accepted, draft_ms, verify_ms)
+                    controller.observe(drafted, verdict.num_accepted, draft_ms, verify_ms, proposal.confidences)
                 span.set_attributes({
                     "specdec.round.index": stats.rounds - 1, "specdec.gamma": gamma,
                     "specdec.draft_tokens": drafted, "specdec.accepted_tokens": verdict.num_accepted,

@@ -17,7 +17,10 @@ plus a little per token). γ = 0 is plain target decoding: no drafter call.
   after `probe_every` rounds, with the interval doubling while probes fail;
 * a prior shared across requests, one per sampling regime (greedy, or a
   temperature bucket): a request starts from the recent average and returns
-  what it learned when it ends.
+  what it learned when it ends;
+* within a round, γ is an upper bound: the drafter stops after a token it is
+  unsure of (`min_confidence`), so easy stretches get long drafts and hard ones
+  short drafts, which no fixed γ can do.
 """
 from __future__ import annotations
 
@@ -128,9 +131,55 @@ class Acceptance:
 
 
 @dataclass
+class Calibration:
+    """P(a draft token is accepted | the draft's own probability for it), by
+    confidence bin, as EWMAs. A bin with no data yet assumes the draft is
+    calibrated (its centre); data pulls it to what the verifier really does.
+    Greedy drafts are roughly calibrated; sampled ones are not (a token drawn
+    from a flat distribution has a low probability yet is accepted whenever the
+    target is as flat), which is why this is learned rather than assumed."""
+    bins: int = 10
+    rate: float = 0.05
+    shrink: float = 3.0
+    rates: list[float] = field(default_factory=list)
+    counts: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.rates:
+            self.rates = [(b + 0.5) / self.bins for b in range(self.bins)]
+            self.counts = [0.0] * self.bins
+
+    def _bin(self, confidence: float) -> int:
+        return min(self.bins - 1, max(0, int(confidence * self.bins)))
+
+    def observe(self, confidences, accepted: int) -> None:
+        for i in range(min(len(confidences), accepted + 1)):  # positions the verifier judged
+            b = self._bin(confidences[i])
+            self.counts[b] += 1
+            self.rates[b] += max(self.rate, 1 / self.counts[b]) * ((1.0 if i < accepted else 0.0) - self.rates[b])
+
+    def accept_probability(self, b: int) -> float:
+        centre = (b + 0.5) / self.bins
+        return (self.counts[b] * self.rates[b] + self.shrink * centre) / (self.counts[b] + self.shrink)
+
+    def threshold(self, required: float) -> float:
+        """The lowest confidence above which every bin is accepted at least
+        `required` of the time. Once there is data, bins without any are no
+        evidence either way and are skipped."""
+        seen = any(n >= 1 for n in self.counts)
+        for b in reversed(range(self.bins)):
+            if seen and self.counts[b] < 1:
+                continue
+            if self.accept_probability(b) < required:
+                return (b + 1) / self.bins
+        return 0.0
+
+
+@dataclass
 class ControllerState:
     acceptance: Acceptance = field(default_factory=Acceptance)
     cost: CostModel = field(default_factory=CostModel)
+    calibration: Calibration = field(default_factory=Calibration)
     rounds: int = 0
 
 
@@ -139,11 +188,12 @@ class GammaController:
 
     def __init__(self, gamma_max: int, state: ControllerState | None = None, *, initial_gamma: int = 4,
                  hysteresis: float = 0.04, probe_every: int = 8, probe_gamma: int = 2, warmup_rounds: int = 2,
-                 aging: float = 0.8):
+                 aging: float = 0.8, max_confidence: float = 0.9):
         self.gamma_max = gamma_max
         self.state = state or ControllerState()
         self.hysteresis, self.probe_gamma, self.warmup_rounds = hysteresis, probe_gamma, warmup_rounds
         self.aging = aging
+        self.max_confidence = max_confidence  # the early stop never asks for more than this
         self.gamma = min(initial_gamma, gamma_max) if self.state.rounds < warmup_rounds else self.best()
         self.probe_every = self.base_probe_every = probe_every
         self.rounds_at_zero = 0
@@ -156,6 +206,25 @@ class GammaController:
     def best(self) -> int:
         return max(range(self.gamma_max + 1), key=self.goodput)
 
+    def required_acceptance(self) -> float:
+        """How likely a drafted token must be accepted for drafting past it to pay.
+
+        One more draft token costs a draft step and a verified position (ms). It
+        pays off when the token before it and it are both accepted, P(prev)·α,
+        which saves one token's share of the time, 1/goodput. So drafting goes on
+        while P(prev accepted) > cost · goodput / α."""
+        _, draft_per_token = self.state.cost.draft.coefficients()
+        _, verify_per_token = self.state.cost.verify.coefficients()
+        cost_ms = max(draft_per_token, 0.0) + max(verify_per_token, 0.0)
+        tokens_per_ms = self.goodput(max(self.gamma, 1)) / 1e3
+        return cost_ms * tokens_per_ms / max(self.state.acceptance.alpha, 0.05)
+
+    def min_confidence(self) -> float:
+        """The draft-confidence threshold for this round's early stop: the
+        required acceptance, turned into the drafter's confidence through the
+        learned calibration."""
+        return min(self.max_confidence, self.state.calibration.threshold(self.required_acceptance()))
+
     def next_gamma(self, limit: int | None = None) -> int:
         gamma = self.gamma
         self.probing = False
@@ -165,12 +234,14 @@ class GammaController:
             gamma = max(0, min(gamma, limit))
         return gamma
 
-    def observe(self, gamma: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
+    def observe(self, gamma: int, accepted: int, draft_ms: float, verify_ms: float,
+                confidences: tuple[float, ...] = ()) -> None:
         state = self.state
         state.rounds += 1
         state.cost.observe(gamma, draft_ms, verify_ms)
         if gamma > 0:
             state.acceptance.observe(gamma, accepted)
+            state.calibration.observe(confidences, accepted)
         if state.rounds < self.warmup_rounds:
             return
         best = self.best()
@@ -206,13 +277,16 @@ class GammaPriors:
         self.blend = blend
         self.lock = threading.Lock()
         self.acceptance: dict[str, Acceptance] = {}
+        self.calibration: dict[str, Calibration] = {}
         self.cost = CostModel()
         self.rounds = 0
 
     def start(self, sampling: SamplingConfig) -> ControllerState:
         with self.lock:
-            acceptance = copy.deepcopy(self.acceptance.get(regime(sampling), Acceptance()))
-            return ControllerState(acceptance, copy.deepcopy(self.cost), self.rounds)
+            key = regime(sampling)
+            acceptance = copy.deepcopy(self.acceptance.get(key, Acceptance()))
+            calibration = copy.deepcopy(self.calibration.get(key, Calibration()))
+            return ControllerState(acceptance, copy.deepcopy(self.cost), calibration, self.rounds)
 
     def finish(self, sampling: SamplingConfig, state: ControllerState) -> None:
         with self.lock:
@@ -230,5 +304,12 @@ class GammaPriors:
                     else:
                         prior.by_position.append(value)
                         prior.count_by_position.append(new.count_by_position[i])
+            if key not in self.calibration:
+                self.calibration[key] = copy.deepcopy(state.calibration)
+            else:
+                prior, new = self.calibration[key], state.calibration
+                for b in range(prior.bins):
+                    prior.rates[b] += self.blend * (new.rates[b] - prior.rates[b])
+                    prior.counts[b] = max(prior.counts[b], new.counts[b])
             self.cost = copy.deepcopy(state.cost)  # timings are shared by every regime
             self.rounds = max(self.rounds, state.rounds)

@@ -83,7 +83,10 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
             gamma, adaptive = min(limits.gamma_max, limits.max_gamma), True
         if gamma > limits.max_gamma:
             raise InvalidArgument(f"speculation.gamma={gamma} is over the proposer's limit of {limits.max_gamma}")
-    return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop, adaptive, request.ignore_eos)
+    confidence_stop = adaptive and (not request.speculation.HasField("confidence_stop")
+                                    or request.speculation.confidence_stop)
+    return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop, adaptive, request.ignore_eos,
+                             confidence_stop)
 
 
 def stats_to_proto(stats: Stats) -> coordinator_pb2.GenerationStats:

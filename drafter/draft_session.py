@@ -1,6 +1,8 @@
 """One session of the draft model: apply the last round's commit, then draft."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from specdec.errors import FailedPrecondition, InvalidArgument
@@ -9,6 +11,12 @@ from specdec.models import LoadedModel
 from specdec.proposer import Commit
 from specdec.sampling import SamplingConfig, make_generator, scores_to_probs, transform_logits
 from specdec.wire import round_probs_for_wire
+
+
+class Draft(NamedTuple):
+    token_ids: list[int]                # [n]
+    draft_probs: torch.Tensor | None    # [n, vocab] when sampling; None when greedy
+    confidences: list[float]            # [n] the probability the draft gave each of its tokens
 
 
 class DraftSession:
@@ -35,11 +43,15 @@ class DraftSession:
         self.seq.append(commit.target_token_ids)
         self.round_base, self.round_drafted = len(self.seq), 0
 
-    def propose(self, num_tokens: int, sampling: SamplingConfig) -> tuple[list[int], torch.Tensor | None]:
-        """Draft `num_tokens` tokens -> (ids [n], draft_probs [n, vocab] or None when greedy).
+    def propose(self, num_tokens: int, sampling: SamplingConfig,
+                min_confidence: float = 0.0) -> Draft:
+        """Draft up to `num_tokens` tokens.
 
         The probabilities returned are exactly those each token was sampled from
-        (fp16-rounded, see specdec.wire), as the rejection sampler requires."""
+        (fp16-rounded, see specdec.wire), as the rejection sampler requires.
+        Drafting stops after a token whose probability is below `min_confidence`:
+        where the draft is unsure, the tokens after it are likely rejected. The
+        rule only shortens the draft, so the verifier's output is unchanged."""
         if len(self.seq) + num_tokens > self.loaded.max_context:
             raise InvalidArgument(
                 f"drafting {num_tokens} tokens at position {len(self.seq)} exceeds the draft model's "
@@ -49,17 +61,24 @@ class DraftSession:
         self.round_base = len(self.seq)
         draft_ids: list[int] = []
         draft_probs: list[torch.Tensor] = []
+        confidences: list[float] = []
         for i in range(num_tokens):
             logits = self.seq.forward(draft_ids[-1:] if i else [], keep_last=1)          # [1, model_vocab]
             scores = transform_logits(logits, self.seq.tokens, [], sampling, self.loaded.vocab_size)
             if sampling.greedy:
                 draft_ids.append(int(scores[0].argmax()))
+                # Greedy has no sampling distribution; the model's own softmax says how sure it is.
+                confidence = float(torch.softmax(scores[0].float(), dim=-1)[draft_ids[-1]])
             else:
                 probs = scores_to_probs(scores)                                            # [1, vocab]
                 draft_probs.append(probs[0])
                 sent = round_probs_for_wire(probs)
                 draft_ids.append(int(torch.multinomial(sent[0], 1, generator=self.generator)))
+                confidence = float(sent[0, draft_ids[-1]])
+            confidences.append(confidence)
+            if confidence < min_confidence:
+                break
         # The last draft is not fed yet: next round feeds it only if it was accepted.
         self.seq.append(draft_ids[-1:])
-        self.round_drafted = num_tokens
-        return draft_ids, (torch.stack(draft_probs) if draft_probs else None)
+        self.round_drafted = len(draft_ids)
+        return Draft(draft_ids, torch.stack(draft_probs) if draft_probs else None, confidences)

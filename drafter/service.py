@@ -21,6 +21,8 @@ class DrafterServicer(ModelServiceBase[DraftSession], drafter_pb2_grpc.DrafterSe
     def Propose(self, request, context) -> drafter_pb2.ProposeResponse:
         if request.num_tokens > MAX_PROPOSE_TOKENS:
             raise InvalidArgument(f"num_tokens={request.num_tokens} is over the limit of {MAX_PROPOSE_TOKENS}")
+        if not 0.0 <= request.min_confidence <= 1.0:  # NaN fails this too
+            raise InvalidArgument(f"min_confidence must be in [0, 1], got {request.min_confidence}")
         sampling = sampling_from_proto(request.sampling)
         commit = (Commit(request.commit.num_accepted, tuple(request.commit.target_token_ids))
                   if request.HasField("commit") else None)
@@ -28,10 +30,11 @@ class DrafterServicer(ModelServiceBase[DraftSession], drafter_pb2_grpc.DrafterSe
             validate_token_ids(commit.target_token_ids, self.loaded.vocab_size, "commit.target_token_ids")
         with self.sessions.use(request.session_id) as session:
             session.commit(commit)
-            ids, probs = session.propose(request.num_tokens, sampling)
+            draft = session.propose(request.num_tokens, sampling, request.min_confidence)
         return drafter_pb2.ProposeResponse(
-            draft_token_ids=ids, vocab_size=self.loaded.vocab_size,
-            draft_probs_fp16=encode_probs(probs) if probs is not None else b"")
+            draft_token_ids=draft.token_ids, vocab_size=self.loaded.vocab_size,
+            draft_probs_fp16=encode_probs(draft.draft_probs) if draft.draft_probs is not None else b"",
+            draft_confidences=draft.confidences)
 
 
 def serve(loaded: LoadedModel, **kwargs) -> RunningServer:

@@ -5,6 +5,8 @@ Systems, run interleaved (each prompt runs every system before the next prompt,
 in an order rotated per prompt, so drift in machine load is shared):
   spec-gN      speculative decoding through the services, fixed gamma N
   spec-auto    the same, gamma chosen per round by the coordinator's controller
+               (drafts stop early after a token the drafter is unsure of)
+  spec-auto-nostop  the same without that early stop (--ablate-confidence-stop)
   target-only  the same services with speculation off
   hf-generate  in-process transformers `generate()` with the same target weights
   hf-assisted  in-process transformers assisted generation, `assistant_model=`
@@ -34,6 +36,7 @@ from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 DEFAULT_QUESTIONS = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / \
     "questions_dev.jsonl"
 TARGET_ONLY, HF_GENERATE, HF_ASSISTED, AUTO = "target-only", "hf-generate", "hf-assisted", "spec-auto"
+AUTO_NOSTOP = "spec-auto-nostop"
 
 
 @dataclass(frozen=True)
@@ -97,10 +100,12 @@ class ServiceSystems:
         request.sampling.CopyFrom(common_pb2.SamplingParams(temperature=temperature, seed=seed))
         if system == TARGET_ONLY:
             request.speculation.enabled = False
-        elif system == AUTO:
+        elif system in (AUTO, AUTO_NOSTOP):
             # No gamma: the coordinator's default, auto. A seeded sample would be
             # served at a fixed gamma (reproducibility), so auto runs unseeded.
             request.sampling.ClearField("seed")
+            if system == AUTO_NOSTOP:
+                request.speculation.confidence_stop = False
         else:
             request.speculation.gamma = int(system.removeprefix("spec-g"))
         start = time.perf_counter()
@@ -272,6 +277,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gammas", default="2,4,6")
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--no-hf", action="store_true", help="skip the in-process transformers baselines")
+    p.add_argument("--ablate-confidence-stop", action="store_true",
+                   help="also run spec-auto without the draft-confidence early stop")
     p.add_argument("--quick", action="store_true",
                    help="under 5 minutes: one question of each of 3 short-prompt categories, 32 new tokens")
     p.add_argument("--threads", type=int, default=2, help="torch threads, for the services and in-process alike")
@@ -294,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     questions = load_questions(args.questions, categories, args.limit)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     systems = [f"spec-g{int(g)}" for g in args.gammas.split(",")] + [AUTO, TARGET_ONLY]
+    if args.ablate_confidence_stop:
+        systems.insert(systems.index(AUTO) + 1, AUTO_NOSTOP)
     if not args.no_hf:
         systems += [HF_GENERATE, HF_ASSISTED]
     say = lambda message: print(f"bench: {message}", file=sys.stderr, flush=True)  # noqa: E731

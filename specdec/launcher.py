@@ -3,6 +3,7 @@
 wait for their SERVING lines, then start the coordinator against them."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -28,7 +29,11 @@ class LaunchError(RuntimeError):
 
 def spawn(name: str, module: str, args: list[str]) -> Child:
     """Start `python -m module`; `wait_serving` waits for its 'NAME SERVING on HOST:PORT' line."""
-    process = subprocess.Popen([sys.executable, "-u", "-m", module, *args], stdout=subprocess.PIPE, text=True)
+    # Few malloc arenas: glibc otherwise keeps one per busy thread (gRPC workers),
+    # and freed KV caches linger in them as RSS.
+    env = {"MALLOC_ARENA_MAX": "2", **os.environ}
+    process = subprocess.Popen([sys.executable, "-u", "-m", module, *args], stdout=subprocess.PIPE, text=True,
+                               env=env)
     child = Child(name, process)
 
     def read() -> None:

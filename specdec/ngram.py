@@ -34,7 +34,8 @@ class NgramProposer(Proposer):
                     return self.tokens[start + size : start + size + n]
         return []
 
-    def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None) -> Proposal:
+    def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None,
+                min_confidence: float = 0.0) -> Proposal:
         if commit is not None:
             del self.tokens[self.round_base + commit.num_accepted :]
             self.tokens += commit.target_token_ids

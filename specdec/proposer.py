@@ -38,6 +38,7 @@ class Proposal:
     # distributions the tokens were sampled from (see specdec.wire).
     draft_probs_fp16: bytes = b""
     vocab_size: int = 0
+    confidences: tuple[float, ...] = ()        # [n] when the proposer has them
 
 
 class Proposer(abc.ABC):
@@ -53,8 +54,11 @@ class Proposer(abc.ABC):
         (Called before the first round, whatever γ that round gets.)"""
 
     @abc.abstractmethod
-    def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None) -> Proposal:
-        """Apply `commit` (absent on the first call), then propose `num_tokens` tokens."""
+    def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None,
+                min_confidence: float = 0.0) -> Proposal:
+        """Apply `commit` (absent on the first call), then propose up to `num_tokens`
+        tokens, stopping after one the proposer gives less than `min_confidence`
+        (a proposer without probabilities may ignore it)."""
 
     @abc.abstractmethod
     def end(self) -> None: ...

@@ -145,6 +145,9 @@ def test_internal_bad_arguments(stack, sessions):
             session_id=sessions, num_tokens=1, sampling=hot,
             commit=drafter_pb2.Commit(num_accepted=0, target_token_ids=[70000])),
          "commit.target_token_ids contains token id 70000, outside the vocabulary"),
+        (stack.drafter_stub.Propose, drafter_pb2.ProposeRequest(
+            session_id=sessions, num_tokens=2, sampling=hot, min_confidence=1.5),
+         "min_confidence must be in [0, 1], got 1.5"),
         (stack.verifier_stub.Decode, verifier_pb2.DecodeRequest(session_id=sessions, num_tokens=0, sampling=hot),
          "num_tokens must be in 1..4096"),
         (stack.drafter_stub.StartSession, common_pb2.StartSessionRequest(session_id="x", prompt_token_ids=[]),

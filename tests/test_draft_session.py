@@ -22,14 +22,14 @@ def greedy_continuation(loaded, tokens, n):
 
 def test_greedy_proposal_is_the_draft_models_greedy_continuation(tiny_draft):
     session = DraftSession(tiny_draft, PROMPT)
-    ids, probs = session.propose(4, GREEDY)
+    ids, probs, _ = session.propose(4, GREEDY)
     assert probs is None and ids == greedy_continuation(tiny_draft, PROMPT, 4)
 
 
 @pytest.mark.parametrize("accepted", [0, 2, 4])
 def test_commit_rolls_back_to_the_accepted_prefix(tiny_draft, accepted):
     session = DraftSession(tiny_draft, PROMPT)
-    ids, _ = session.propose(4, GREEDY)
+    ids, _, _ = session.propose(4, GREEDY)
     target_token = 123
     session.commit(Commit(accepted, (target_token,)))
     history = PROMPT + ids[:accepted] + [target_token]
@@ -37,13 +37,13 @@ def test_commit_rolls_back_to_the_accepted_prefix(tiny_draft, accepted):
     # Cache kept, not recomputed: only the rejected tail was cropped. After a
     # fully accepted round the last draft (never fed) and the bonus token are fed next.
     assert session.seq.cached == len(PROMPT) + min(accepted, 3)
-    next_ids, _ = session.propose(2, GREEDY)
+    next_ids, _, _ = session.propose(2, GREEDY)
     assert next_ids == greedy_continuation(tiny_draft, history, 2)
 
 
 def test_sampled_proposal_returns_the_distributions_it_sampled_from(tiny_draft):
     session = DraftSession(tiny_draft, PROMPT)
-    ids, probs = session.propose(3, SamplingConfig(temperature=0.8, seed=1))
+    ids, probs, _ = session.propose(3, SamplingConfig(temperature=0.8, seed=1))
     assert probs.shape == (3, tiny_draft.vocab_size)
     assert torch.allclose(probs.sum(-1), torch.ones(3), atol=1e-4)
     assert all(probs[i, t] > 0 for i, t in enumerate(ids))
@@ -56,3 +56,40 @@ def test_commit_errors(tiny_draft):
         session.commit(Commit(3, (1,)))
     with pytest.raises(FailedPrecondition, match="commit"):
         session.commit(None)
+
+
+def greedy_confidence(loaded, tokens) -> float:
+    """The draft model's softmax probability of its own greedy next token."""
+    probs = torch.softmax(full_logits(loaded, tokens)[: loaded.vocab_size].float(), dim=-1)
+    return float(probs.max())
+
+
+def test_drafting_stops_after_a_token_below_min_confidence(tiny_draft):
+    full, _, _ = DraftSession(tiny_draft, PROMPT).propose(8, GREEDY)
+    confidences = [greedy_confidence(tiny_draft, PROMPT + full[:i]) for i in range(8)]
+    stopped_early = 0
+    for threshold in sorted(set(confidences))[1:4]:  # thresholds that some token falls below
+        session = DraftSession(tiny_draft, PROMPT)
+        ids, _, _ = session.propose(8, GREEDY, min_confidence=threshold)
+        # The first token below the threshold is the last one drafted.
+        expected = next(i for i, c in enumerate(confidences) if c < threshold) + 1
+        assert ids == full[:expected], (threshold, confidences)
+        assert session.round_drafted == len(ids)
+        stopped_early += len(ids) < 8
+        # The shorter round commits and continues like any other.
+        session.commit(Commit(len(ids), (full[len(ids)] if len(ids) < 8 else 5,)))
+    assert stopped_early > 0
+    session = DraftSession(tiny_draft, PROMPT)
+    assert len(session.propose(8, GREEDY, min_confidence=1.0)[0]) >= 1  # never fewer than one
+
+
+def test_sampled_drafting_stops_on_the_sampled_tokens_probability(tiny_draft):
+    sampling = SamplingConfig(temperature=1.0, seed=3)
+    for seed in range(5):
+        session = DraftSession(tiny_draft, PROMPT)
+        session.generator = torch.Generator().manual_seed(seed)
+        ids, probs, _ = session.propose(6, sampling, min_confidence=0.5)
+        assert probs.shape == (len(ids), tiny_draft.vocab_size)
+        below = [float(probs[i, t]) < 0.5 for i, t in enumerate(ids)]
+        # Every token but the last was confident; the last was not, or the draft ran its length.
+        assert not any(below[:-1]) and (below[-1] or len(ids) == 6)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from coordinator.gamma import Acceptance, EwLinearFit, GammaController, GammaPriors, regime
+from coordinator.gamma import Acceptance, Calibration, EwLinearFit, GammaController, GammaPriors, regime
 from specdec.sampling import SamplingConfig
 
 GAMMA_MAX = 8
@@ -135,3 +135,56 @@ def test_linear_fit_keeps_its_prior_ratio_until_x_varies():
             fit.observe(x, 10.0 + 40.0 * x)
     a, b = fit.coefficients()
     assert b == pytest.approx(40.0, rel=0.1)
+
+
+def test_required_acceptance_weighs_the_cost_of_one_more_draft_token():
+    cheap, dear = GammaController(GAMMA_MAX), GammaController(GAMMA_MAX)
+    for controller, per_token in ((cheap, 10.0), (dear, 80.0)):
+        rng = random.Random(1)
+        for _ in range(80):
+            g = controller.next_gamma()
+            accepted = 0
+            while accepted < g and rng.random() < 0.75:
+                accepted += 1
+            controller.observe(g, accepted, 2.0 + per_token * g if g else 0.0, verify_ms(g))
+    for controller in (cheap, dear):
+        _, draft_slope = controller.state.cost.draft.coefficients()
+        _, verify_slope = controller.state.cost.verify.coefficients()
+        expected = (draft_slope + verify_slope) * controller.goodput(max(controller.gamma, 1)) / 1e3 \
+            / controller.state.acceptance.alpha
+        assert controller.required_acceptance() == pytest.approx(expected)
+        assert 0 < controller.min_confidence() <= 0.9
+    # Dearer drafts: each must be likelier to be accepted, so drafts stop sooner.
+    assert dear.required_acceptance() > cheap.required_acceptance()
+    assert dear.min_confidence() >= cheap.min_confidence()
+
+
+def test_calibration_learns_what_confidence_means():
+    """Uncalibrated (new): trusts the draft. After rounds in which tokens the draft
+    gives 0.2-0.3 are accepted 90% of the time (as with sampling from flat
+    distributions), those no longer stop a draft."""
+    calibration = Calibration()
+    assert calibration.threshold(0.5) == pytest.approx(0.5)
+    assert calibration.threshold(0.0) == 0.0 and calibration.threshold(1.01) == 1.0
+    rng = random.Random(2)
+    for _ in range(400):
+        confidence = rng.uniform(0.2, 0.3) if rng.random() < 0.5 else rng.uniform(0.6, 1.0)
+        calibration.observe((confidence,), accepted=int(rng.random() < 0.9))
+    assert calibration.accept_probability(2) == pytest.approx(0.9, abs=0.08)
+    assert calibration.threshold(0.5) <= 0.2  # bins 0.2-1.0 all clear 0.5 now
+    # And the opposite: confident tokens that are mostly rejected raise the bar.
+    overconfident = Calibration()
+    for _ in range(400):
+        overconfident.observe((rng.uniform(0.7, 0.8),), accepted=int(rng.random() < 0.3))
+    assert overconfident.threshold(0.5) == pytest.approx(0.8)
+
+
+def test_calibration_is_shared_per_regime():
+    priors = GammaPriors()
+    greedy = SamplingConfig()
+    state = priors.start(greedy)
+    for _ in range(50):
+        state.calibration.observe((0.25,), accepted=1)
+    priors.finish(greedy, state)
+    assert priors.start(greedy).calibration.accept_probability(2) > 0.8
+    assert priors.start(SamplingConfig(temperature=0.7)).calibration.accept_probability(2) == pytest.approx(0.25)

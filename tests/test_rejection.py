@@ -140,3 +140,26 @@ def test_seeded_generator_gives_the_same_result():
 def test_shapes_are_asserted():
     with pytest.raises(AssertionError):
         rejection_sample(torch.tensor([1, 2]), torch.ones(3, V) / V, torch.ones(3, V) / V, torch.Generator())
+
+
+def test_a_draft_cut_short_by_its_own_confidence_stays_lossless():
+    """The drafter may stop after a token it gives low probability (draft
+    confidence): the draft's length then depends on what was drafted. The output
+    is still distributed as the target's, first and second token alike."""
+    target, draft = PAIRS["close"]
+    generator = torch.Generator().manual_seed(11)
+    threshold = float(draft.median())
+    first, second, lengths = np.zeros(V), np.zeros(V), []
+    target_probs = target.expand(3, V)
+    for _ in range(N):
+        ids = [int(torch.multinomial(draft, 1, generator=generator))]
+        if float(draft[ids[0]]) >= threshold:  # confident: draft a second token
+            ids.append(int(torch.multinomial(draft, 1, generator=generator)))
+        lengths.append(len(ids))
+        out = rejection_sample(torch.tensor(ids), draft.expand(len(ids), V), target_probs[: len(ids) + 1], generator)
+        first[int(out.output_token_ids[0])] += 1
+        if out.num_accepted >= 1:  # the second output token comes from this round
+            second[int(out.output_token_ids[1])] += 1
+    assert 1 < np.mean(lengths) < 2  # both lengths occurred
+    assert _chi_square_p(first, target) > ALPHA
+    assert _chi_square_p(second, target) > ALPHA

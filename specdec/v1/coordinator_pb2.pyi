@@ -40,12 +40,14 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Speculation(_message.Message):
-    __slots__ = ("enabled", "gamma")
+    __slots__ = ("enabled", "gamma", "confidence_stop")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_STOP_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     gamma: int
-    def __init__(self, enabled: _Optional[bool] = ..., gamma: _Optional[int] = ...) -> None: ...
+    confidence_stop: bool
+    def __init__(self, enabled: _Optional[bool] = ..., gamma: _Optional[int] = ..., confidence_stop: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "messages", "token_ids", "max_new_tokens", "stop", "sampling", "speculation", "ignore_eos")

@@ -16,23 +16,27 @@ class Commit(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., target_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "num_tokens", "sampling", "commit")
+    __slots__ = ("session_id", "num_tokens", "sampling", "commit", "min_confidence")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_tokens: int
     sampling: _common_pb2.SamplingParams
     commit: Commit
-    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ...) -> None: ...
+    min_confidence: float
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., min_confidence: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_token_ids", "draft_probs_fp16", "vocab_size")
+    __slots__ = ("draft_token_ids", "draft_probs_fp16", "vocab_size", "draft_confidences")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FP16_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs_fp16: bytes
     vocab_size: int
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs_fp16: _Optional[bytes] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    draft_confidences: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs_fp16: _Optional[bytes] = ..., vocab_size: _Optional[int] = ..., draft_confidences: _Optional[_Iterable[float]] = ...) -> None: ...
