@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="Generate calls served at once; beyond it, RESOURCE_EXHAUSTED")
     parser.add_argument("--max-message-bytes", type=int, default=MAX_PUBLIC_MESSAGE_BYTES,
                         help="largest request or response on the public port")
+    parser.add_argument("--drafter-timeout", type=float, default=30.0,
+                        help="seconds a drafter call may take before the request goes on without it")
     parser.add_argument("--log-prompts", action="store_true",
                         help="include prompt text in the request log (off by default: prompts are users' data)")
     add_tls_server_args(parser)
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
             gamma_max=args.gamma_max, metrics_port=args.metrics_port, max_new_tokens=args.max_new_tokens,
             connect_timeout_s=args.connect_timeout, max_sessions=args.max_sessions,
             max_message_bytes=args.max_message_bytes, log_prompts=args.log_prompts, tls=server_tls(args),
+            drafter_timeout_s=args.drafter_timeout,
             auth_token=load_token(args.auth_token_env, args.auth_token_file),
             backend_tls=ClientTls.from_args(args.backend_tls_ca, args.backend_tls_cert, args.backend_tls_key))
         running, backends = serve(config, host=args.host, port=args.port)

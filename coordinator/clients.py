@@ -15,8 +15,6 @@ from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, 
 from specdec.wire import sampling_to_proto
 
 Timeout = Callable[[], "float | None"]  # seconds left of the caller's deadline
-# The caller's own ending, not the drafter's failure: these are passed on, not fallen back from.
-CALLER_CODES = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def _no_deadline() -> None:
@@ -89,12 +87,18 @@ class RemoteDraftProposer(Proposer):
     on target-only); the caller's cancellation or deadline stays what it is."""
     name = "draft-model"
 
-    def __init__(self, client: DrafterClient, expected_fingerprint: str, timeout: Timeout = _no_deadline):
+    def __init__(self, client: DrafterClient, expected_fingerprint: str, timeout: Timeout = _no_deadline,
+                 call_timeout_s: float = 30.0):
         self.client = client
         self.expected_fingerprint = expected_fingerprint
-        self._timeout = timeout
+        self._caller_timeout = timeout
+        self.call_timeout_s = call_timeout_s  # a hung drafter must not hang the request
         self._session_id: str | None = None
         self._started: grpc.Future | None = None
+
+    def _timeout(self) -> float:
+        remaining = self._caller_timeout()
+        return self.call_timeout_s if remaining is None else min(remaining, self.call_timeout_s)
 
     def start(self, session_id: str, prompt_ids: Sequence[int]) -> None:
         self._session_id = session_id
@@ -121,7 +125,10 @@ class RemoteDraftProposer(Proposer):
                 "serves the target's tokenizer again", grpc.StatusCode.FAILED_PRECONDITION)
 
     def _failure(self, method: str, exc: grpc.RpcError) -> Exception:
-        if exc.code() in CALLER_CODES:
+        remaining = self._caller_timeout()
+        callers_own = exc.code() == grpc.StatusCode.CANCELLED or (
+            exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and remaining is not None and remaining <= 0)
+        if callers_own:
             return RemoteError(f"drafter at {self.client.address}", exc)
         return ProposerUnavailable(f"drafter at {self.client.address}: {method}: {exc.code().name}: "
                                    f"{exc.details()}", exc.code())

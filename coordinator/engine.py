@@ -124,7 +124,8 @@ class SpeculativeEngine:
                 try:
                     proposer.ready()  # its prefill ran alongside the verifier's; wait for what is left of it
                 except ProposerUnavailable as exc:
-                    drafting = self._fall_back(exc, stats)
+                    self._fall_back(exc, stats)
+                    drafting = None
             stats.prefill_ms = (time.perf_counter() - started) * 1e3
             rounds = (self._speculative_rounds(session_id, request, drafting, stats, output, timeout)
                       if drafting is not None else self._target_only_rounds(session_id, request, stats, output, timeout))
@@ -157,7 +158,6 @@ class SpeculativeEngine:
         stats.fallback = str(exc)
         self.metrics.fallbacks.inc()
         self.on_proposer_failure(exc)
-        return None
 
     def _speculative_rounds(self, session_id: str, request: GenerationRequest, proposer: Proposer, stats: Stats,
                             output: OutputAccumulator, timeout) -> Iterator[list[int]]:
@@ -183,10 +183,11 @@ class SpeculativeEngine:
                 limit = max(0, remaining - 1)
                 gamma = controller.next_gamma(limit) if controller else min(request.gamma, limit)
                 # 2. Propose gamma tokens; the previous round's commit rides on the call.
-                proposal, draft_ms = Proposal(()), 0.0
+                proposal, draft_ms, stop_below = Proposal(()), 0.0, 0.0
                 if gamma > 0:
                     started = time.perf_counter()
-                    stop_below = controller.min_confidence() if controller and request.confidence_stop else 0.0
+                    if controller is not None and request.confidence_stop:
+                        stop_below = controller.min_confidence()  # the drafter may stop short of gamma
                     proposal = proposer.propose(gamma, request.sampling, commit, stop_below)
                     draft_ms = (time.perf_counter() - started) * 1e3
                     commit = None
@@ -215,7 +216,8 @@ class SpeculativeEngine:
                     "specdec.draft_tokens": drafted, "specdec.accepted_tokens": verdict.num_accepted,
                     # -1: nothing rejected (all drafts accepted, or none drafted)
                     "specdec.first_rejected_position": verdict.num_accepted if verdict.num_accepted < drafted else -1,
-                    "specdec.bonus": verdict.bonus, "specdec.draft_ms": draft_ms, "specdec.verify_ms": verify_ms})
+                    "specdec.bonus": verdict.bonus, "specdec.draft_ms": draft_ms, "specdec.verify_ms": verify_ms,
+                    "specdec.min_confidence": stop_below})
             yield new_tokens
 
     def _target_only_rounds(self, session_id: str, request: GenerationRequest, stats: Stats,

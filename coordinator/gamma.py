@@ -116,16 +116,33 @@ class Acceptance:
         self.count *= factor
         self.count_by_position = [n * factor for n in self.count_by_position]
 
-    def at(self, i: int) -> float:
+    def _shrunk(self, i: int, prior: float) -> float:
         if i >= len(self.by_position):
-            return self.alpha
+            return prior
         n = self.count_by_position[i]
-        return (n * self.by_position[i] + self.shrink * self.alpha) / (n + self.shrink)
+        return (n * self.by_position[i] + self.shrink * prior) / (n + self.shrink)
+
+    def by_positions(self, gamma: int) -> list[float]:
+        """Acceptance at positions 0..gamma-1, each given the drafts before it were accepted.
+
+        A position with little data leans on the one before it, not on the pooled
+        rate: after a run of accepted drafts the next is at least as likely to be
+        accepted (the text is in an easy stretch), while the pooled rate is pulled
+        down by the first positions, where hard stretches end rounds. Leaning on
+        the pooled rate would keep γ from growing past the positions it has seen."""
+        values, prior = [], self.alpha
+        for i in range(gamma):
+            prior = self._shrunk(i, prior)
+            values.append(prior)
+        return values
+
+    def at(self, i: int) -> float:
+        return self.by_positions(i + 1)[i]
 
     def expected_tokens(self, gamma: int) -> float:
         total, run = 1.0, 1.0
-        for i in range(gamma):
-            run *= min(self.at(i), 0.999)
+        for a in self.by_positions(gamma):
+            run *= min(a, 0.999)
             total += run
         return total
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
+
+import grpc
 import uuid
 from dataclasses import dataclass
 
@@ -27,6 +29,11 @@ from coordinator.requests import Limits, request_attributes, response_attributes
 
 log = logging.getLogger("coordinator")
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+# A drafter failing this way is dead, hung (our --drafter-timeout), restarted (our session is gone),
+# broken, or serving another model. (A refusal such as RESOURCE_EXHAUSTED is none of these.)
+DRAFTER_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                                grpc.StatusCode.FAILED_PRECONDITION})
 
 
 @dataclass
@@ -45,6 +52,7 @@ class CoordinatorConfig:
     auth_token: str | None = None    # bearer token required on Generate calls
     backend_tls: ClientTls | None = None  # to reach a drafter/verifier that serves TLS
     log_prompts: bool = False        # prompt text in the logs (off: only counts and timings)
+    drafter_timeout_s: float = 30.0  # a drafter call slower than this: the request goes on target-only
     watch: WatchSettings = WatchSettings()
 
     def __post_init__(self) -> None:
@@ -67,8 +75,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.metrics = Metrics()
         self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids),
                                         self.metrics, on_proposer_failure=self._proposer_failed)
-        self._slots = threading.BoundedSemaphore(config.max_sessions)
-        self._in_flight = 0
+        self._in_flight = 0  # Generate calls admitted and not yet finished
         self._idle = threading.Condition()
         for name, watch in (("verifier", backends.verifier_watch), ("drafter", backends.drafter_watch)):
             if watch is not None:
@@ -81,12 +88,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             return NgramProposer(self.limits.vocab_size)
         if not self.backends.drafter_up:
             return None  # drafter down: decode target-only until the watcher finds it again
-        return RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint, timeout)
+        return RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint, timeout,
+                                   self.config.drafter_timeout_s)
 
     def _proposer_failed(self, exc: ProposerUnavailable) -> None:
+        # Stop using it until the watcher has checked it again.
         watch = self.backends.drafter_watch
-        if watch is not None and exc.code is not None and exc.code.name in ("UNAVAILABLE", "NOT_FOUND", "INTERNAL",
-                                                                            "UNKNOWN", "FAILED_PRECONDITION"):
+        if watch is not None and exc.code in DRAFTER_DOWN_CODES:
             watch.mark_down(str(exc))
 
     def _admit(self) -> None:
@@ -95,23 +103,22 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self.metrics.rejected.labels("verifier_down").inc()
             raise Unavailable(f"the verifier at {verifier.client.address} is unavailable ({verifier.reason}); "
                               "the coordinator reconnects on its own, retry shortly")
-        if not self._slots.acquire(blocking=False):
-            self.metrics.rejected.labels("max_sessions").inc()
-            raise ResourceExhausted(f"{self.config.max_sessions} requests are in flight, the limit "
-                                    "(--max-sessions); retry with backoff")
+        with self._idle:
+            if self._in_flight >= self.config.max_sessions:
+                self.metrics.rejected.labels("max_sessions").inc()
+                raise ResourceExhausted(f"{self.config.max_sessions} requests are in flight, the limit "
+                                        "(--max-sessions); retry with backoff")
+            self._in_flight += 1
+            self.metrics.in_flight.set(self._in_flight)
 
     def _updates(self, request, context):
         self._admit()
-        self.metrics.in_flight.inc()
-        with self._idle:
-            self._in_flight += 1
         try:
             yield from self._generate(request, context)
         finally:
-            self.metrics.in_flight.dec()
-            self._slots.release()
             with self._idle:
                 self._in_flight -= 1
+                self.metrics.in_flight.set(self._in_flight)
                 self._idle.notify_all()
 
     def drain(self, timeout_s: float) -> bool:

@@ -62,15 +62,6 @@ class Level:
     requests_per_s: float = 0.0
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); 0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
-
-
 def make_request(i: int, max_new_tokens: int, ignore_eos: bool) -> pb.GenerateRequest:
     sampling = common_pb2.SamplingParams(temperature=0.0 if i % 2 == 0 else 0.7)
     return pb.GenerateRequest(prompt=PROMPTS[i % len(PROMPTS)], max_new_tokens=max_new_tokens,
@@ -118,7 +109,10 @@ def run_level(address: str, clients: int, requests: int, args: argparse.Namespac
             ch.close()
     level.wall_s = time.perf_counter() - started
     level.latency_p50_s = statistics.median(latencies) if latencies else 0.0
-    level.latency_p99_s = percentile(latencies, 99)
+    if len(latencies) >= 2:
+        level.latency_p99_s = statistics.quantiles(latencies, n=100, method="inclusive")[98]
+    else:
+        level.latency_p99_s = level.latency_p50_s
     level.latency_max_s = max(latencies, default=0.0)
     level.tokens_per_s = level.output_tokens / level.wall_s
     level.requests_per_s = level.ok / level.wall_s

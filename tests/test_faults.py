@@ -83,6 +83,26 @@ def test_drafter_killed_mid_request_finishes_target_only_and_exact(models):
         assert target.active_sessions() == 0 and draft.active_sessions() == 0
 
 
+def test_a_hung_drafter_is_given_up_on_after_the_drafter_timeout(models):
+    draft, target = models
+    with served_coordinator(drafter=draft.address, verifier=target.address, drafter_timeout_s=1.0) as c:
+        reference = list(c.stub.Generate(long_request(speculate=False), timeout=60).token_ids)
+        stream = c.stub.GenerateStream(long_request(), timeout=60)
+        received = list(next(stream).token_ids)
+        draft.child.process.send_signal(signal.SIGSTOP)  # alive, connected, and silent
+        try:
+            final = None
+            for message in stream:
+                received += message.token_ids
+                final = message
+        finally:
+            draft.child.process.send_signal(signal.SIGCONT)
+        assert received == reference
+        assert "DEADLINE_EXCEEDED" in final.stats.fallback
+        assert wait_for(lambda: c.backends.drafter_up, 20)
+        assert c.stub.Generate(long_request(), timeout=60).stats.draft_tokens > 0
+
+
 def coordinator_health(address: str) -> int:
     with channel(address) as ch:
         try:
