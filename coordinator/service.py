@@ -21,7 +21,7 @@ from specdec.security import ClientTls, ServerTls
 from specdec.serving import MAX_PUBLIC_MESSAGE_BYTES, RunningServer, start_server
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-from coordinator.backends import Backends, TokenizerMismatch, WatchSettings  # noqa: F401 - re-exported
+from coordinator.backends import Backends, WatchSettings
 from coordinator.clients import RemoteDraftProposer
 from coordinator.engine import SpeculativeEngine
 from coordinator.metrics import Metrics

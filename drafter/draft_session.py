@@ -68,7 +68,8 @@ class DraftSession:
             if sampling.greedy:
                 draft_ids.append(int(scores[0].argmax()))
                 # Greedy has no sampling distribution; the model's own softmax says how sure it is.
-                confidence = float(torch.softmax(scores[0].float(), dim=-1)[draft_ids[-1]])
+                row = scores[0].float()
+                confidence = float(torch.exp(row[draft_ids[-1]] - torch.logsumexp(row, dim=-1)))
             else:
                 probs = scores_to_probs(scores)                                            # [1, vocab]
                 draft_probs.append(probs[0])

@@ -13,7 +13,8 @@ import pytest
 
 import drafter.service
 import verifier.service
-from coordinator.service import Backends, CoordinatorConfig, serve as serve_coordinator
+from coordinator.backends import Backends
+from coordinator.service import CoordinatorConfig, serve as serve_coordinator
 from specdec.models import LoadedModel, load_model
 from specdec.serving import RunningServer, channel
 from specdec.v1 import coordinator_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc
