@@ -51,8 +51,8 @@ def models():
     launcher.stop([p.child for p in processes if p.child], grace_s=5)
 
 
-def long_request(speculate: bool = True) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=LONG, ignore_eos=True,
+def long_request(speculate: bool = True, tokens: int = LONG) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=tokens, ignore_eos=True,
                               speculation=pb.Speculation(enabled=speculate, gamma=4))
 
 
@@ -86,21 +86,25 @@ def test_drafter_killed_mid_request_finishes_target_only_and_exact(models):
 def test_a_hung_drafter_is_given_up_on_after_the_drafter_timeout(models):
     draft, target = models
     with served_coordinator(drafter=draft.address, verifier=target.address, drafter_timeout_s=1.0) as c:
-        reference = list(c.stub.Generate(long_request(speculate=False), timeout=60).token_ids)
-        stream = c.stub.GenerateStream(long_request(), timeout=60)
+        # Long enough that it is still streaming well after the drafter is given up on.
+        reference = list(c.stub.Generate(long_request(speculate=False, tokens=1000), timeout=60).token_ids)
+        stream = c.stub.GenerateStream(long_request(tokens=1000), timeout=60)
         received = list(next(stream).token_ids)
         draft.child.process.send_signal(signal.SIGSTOP)  # alive, connected, and silent
+        stopped_at, final = time.monotonic(), None
         try:
-            final = None
             for message in stream:
                 received += message.token_ids
                 final = message
+                if time.monotonic() - stopped_at > 1.5:  # given up on by now: let it answer EndSession
+                    draft.child.process.send_signal(signal.SIGCONT)
         finally:
             draft.child.process.send_signal(signal.SIGCONT)
         assert received == reference
         assert "DEADLINE_EXCEEDED" in final.stats.fallback
         assert wait_for(lambda: c.backends.drafter_up, 20)
         assert c.stub.Generate(long_request(), timeout=60).stats.draft_tokens > 0
+        assert draft.active_sessions() == 0 and target.active_sessions() == 0
 
 
 def coordinator_health(address: str) -> int:
