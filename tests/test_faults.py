@@ -51,6 +51,16 @@ def models():
     launcher.stop([p.child for p in processes if p.child], grace_s=5)
 
 
+@pytest.fixture(autouse=True)
+def alive(models):
+    """Each test starts with both processes up, even after one that failed mid-fault."""
+    for process in models:
+        process.child.process.send_signal(signal.SIGCONT)
+        if process.child.process.poll() is not None:
+            process.start()
+    yield models
+
+
 def long_request(speculate: bool = True, tokens: int = LONG) -> pb.GenerateRequest:
     return pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=tokens, ignore_eos=True,
                               speculation=pb.Speculation(enabled=speculate, gamma=4))
