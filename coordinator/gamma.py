@@ -311,22 +311,28 @@ class GammaPriors:
             if key not in self.acceptance:
                 self.acceptance[key] = copy.deepcopy(state.acceptance)
             else:
-                prior, new, b = self.acceptance[key], state.acceptance, self.blend
-                prior.alpha += b * (new.alpha - prior.alpha)
+                prior, new = self.acceptance[key], state.acceptance
+                prior.alpha += self.blend * (new.alpha - prior.alpha)
                 prior.count = max(prior.count, new.count)
-                for i, value in enumerate(new.by_position):
-                    if i < len(prior.by_position):
-                        prior.by_position[i] += b * (value - prior.by_position[i])
-                        prior.count_by_position[i] = max(prior.count_by_position[i], new.count_by_position[i])
-                    else:
-                        prior.by_position.append(value)
-                        prior.count_by_position.append(new.count_by_position[i])
+                _blend_into(prior.by_position, prior.count_by_position, new.by_position, new.count_by_position,
+                            self.blend)
             if key not in self.calibration:
                 self.calibration[key] = copy.deepcopy(state.calibration)
             else:
                 prior, new = self.calibration[key], state.calibration
-                for b in range(prior.bins):
-                    prior.rates[b] += self.blend * (new.rates[b] - prior.rates[b])
-                    prior.counts[b] = max(prior.counts[b], new.counts[b])
+                _blend_into(prior.rates, prior.counts, new.rates, new.counts, self.blend)
             self.cost = copy.deepcopy(state.cost)  # timings are shared by every regime
             self.rounds = max(self.rounds, state.rounds)
+
+
+def _blend_into(values: list[float], counts: list[float], new_values: list[float], new_counts: list[float],
+                blend: float) -> None:
+    """Move each prior EWMA `blend` of the way to a request's, keeping the larger
+    evidence count; entries only the request has are taken as they are."""
+    for i, value in enumerate(new_values):
+        if i < len(values):
+            values[i] += blend * (value - values[i])
+            counts[i] = max(counts[i], new_counts[i])
+        else:
+            values.append(value)
+            counts.append(new_counts[i])
