@@ -7,10 +7,17 @@ in an order rotated per prompt, so drift in machine load is shared):
   spec-auto    the same, gamma chosen per round by the coordinator's controller
                (drafts stop early after a token the drafter is unsure of)
   spec-auto-nostop  the same without that early stop (--ablate-confidence-stop)
+  spec-gN-replica  (--replicate-gamma N) spec-gN once more, as a separate system:
+               identical work, so its distance from spec-gN and from the best
+               fixed gamma is the run's own noise floor
   target-only  the same services with speculation off
   hf-generate  in-process transformers `generate()` with the same target weights
   hf-assisted  in-process transformers assisted generation, `assistant_model=`
                the same (INT8) draft weights: the peer a user would otherwise pick
+
+Results are grouped by category and by Spec-Bench task: the eight MT-bench
+categories pool into `mt_bench`, as Spec-Bench itself reports them; the other
+five tasks are one category each.
 
 Writes bench.json (every run, plus the summary), bench.md (a table per
 category and temperature) and bench.png into --out.
@@ -37,6 +44,13 @@ DEFAULT_QUESTIONS = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared
     "questions_dev.jsonl"
 TARGET_ONLY, HF_GENERATE, HF_ASSISTED, AUTO = "target-only", "hf-generate", "hf-assisted", "spec-auto"
 AUTO_NOSTOP = "spec-auto-nostop"
+REPLICA = "-replica"
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
+def task_of(category: str) -> str:
+    """Spec-Bench's task for a category: its six tasks, MT-bench's eight categories pooled."""
+    return "mt_bench" if category in MT_BENCH else category
 
 
 @dataclass(frozen=True)
@@ -67,23 +81,39 @@ class Run:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def load_questions(path: pathlib.Path, categories: list[str] | None, limit: int | None) -> list[Question]:
-    """First turns of Spec-Bench questions; `limit` applies per category."""
-    taken: dict[str, int] = defaultdict(int)
-    questions = []
+def load_questions(path: pathlib.Path, categories: list[str] | None, limit: int | None,
+                   per_task: int | None = None) -> list[Question]:
+    """First turns of Spec-Bench questions. `limit` applies per category;
+    `per_task` takes that many per Spec-Bench task, round-robin over the task's
+    categories, and at least one of each category."""
+    by_category: dict[str, list[Question]] = defaultdict(list)
     with open(path, encoding="utf-8") as f:
         for line in f:
             row = json.loads(line)
             category = row["category"]
             if categories and category not in categories:
                 continue
-            if limit is not None and taken[category] >= limit:
-                continue
-            taken[category] += 1
-            questions.append(Question(str(row["question_id"]), category, row["turns"][0]))
+            by_category[category].append(Question(str(row["question_id"]), category, row["turns"][0]))
+    if per_task is not None:
+        tasks: dict[str, list[list[Question]]] = defaultdict(list)
+        for category, qs in by_category.items():
+            tasks[task_of(category)].append(qs)
+        chosen = {q.question_id for members in tasks.values() for q in _round_robin(members, per_task)}
+        questions = [q for qs in by_category.values() for q in qs if q.question_id in chosen]
+    else:
+        questions = [q for qs in by_category.values() for q in qs[:limit]]
     if not questions:
         raise SystemExit(f"bench: no questions in {path} for categories {categories}")
     return questions
+
+
+def _round_robin(members: list[list[Question]], n: int) -> list[Question]:
+    """n questions (at least one per category) taken in turn from each category's list."""
+    taken, depth, want = [], 0, max(n, len(members))
+    while len(taken) < want and any(depth < len(qs) for qs in members):
+        taken += [qs[depth] for qs in members if depth < len(qs)][: want - len(taken)]
+        depth += 1
+    return taken
 
 
 class ServiceSystems:
@@ -107,7 +137,7 @@ class ServiceSystems:
             if system == AUTO_NOSTOP:
                 request.speculation.confidence_stop = False
         else:
-            request.speculation.gamma = int(system.removeprefix("spec-g"))
+            request.speculation.gamma = int(system.removeprefix("spec-g").removesuffix(REPLICA))
         start = time.perf_counter()
         response = self.stub.Generate(request, timeout=3600)
         seconds = time.perf_counter() - start
@@ -157,15 +187,16 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 # --- summary ------------------------------------------------------------------
 
 def summarize(runs: list[Run], systems: list[str]) -> list[dict]:
-    """One row per (category, temperature, system), plus an 'all' category."""
+    """One row per (group, temperature, system). Groups: each category, each
+    Spec-Bench task that pools several (mt_bench), and 'all'; in that order."""
     by_key: dict[tuple, list[Run]] = defaultdict(list)
     for run in runs:
-        for category in (run.category, "all"):
+        for category in dict.fromkeys((run.category, task_of(run.category), "all")):
             by_key[(category, run.temperature, run.system)].append(run)
     reference = {(r.question_id, r.temperature): r for r in runs if r.system == TARGET_ONLY}
     rows = []
     for (category, temperature, system), group in sorted(by_key.items(), key=lambda kv: (
-            kv[0][0] == "all", kv[0][0], kv[0][1], systems.index(kv[0][2]))):
+            kv[0][0] == "all", task_of(kv[0][0]) == kv[0][0], kv[0][0], kv[0][1], systems.index(kv[0][2]))):
         tokens, seconds = sum(r.new_tokens for r in group), sum(r.seconds for r in group)
         row = dict(category=category, temperature=temperature, system=system, runs=len(group), new_tokens=tokens,
                    seconds=round(seconds, 3), tokens_per_second=round(tokens / seconds, 3) if seconds else 0.0)
@@ -193,23 +224,37 @@ def summarize(runs: list[Run], systems: list[str]) -> list[dict]:
     return rows
 
 
-def best_gamma(rows: list[dict]) -> dict[str, dict[str, str]]:
-    """Per category and temperature: the fastest fixed γ, and auto's speed relative to it."""
-    best: dict[str, dict[str, tuple]] = defaultdict(dict)
-    auto = {(r["category"], r["temperature"]): r["tokens_per_second"] for r in rows if r["system"] == AUTO}
-    for row in rows:
-        if row["system"].startswith("spec-g"):
-            key = f"T={row['temperature']:g}"
-            current = best[row["category"]].get(key)
-            if current is None or row["tokens_per_second"] > current[1]:
-                best[row["category"]][key] = (row["system"], row["tokens_per_second"], row["temperature"])
-    picks: dict[str, dict[str, str]] = {}
-    for category, temps in best.items():
-        picks[category] = {}
-        for key, (system, speed, temperature) in temps.items():
-            ratio = auto.get((category, temperature))
-            picks[category][key] = system + (f" (auto {ratio / speed:.2f}x)" if ratio and speed else "")
-    return picks
+def best_gamma(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    """Per group and temperature: the fastest fixed γ, and auto's speed relative
+    to it. With a replica (`--replicate-gamma`), the replica's too: it does the
+    same work as a fixed γ, so its ratio is what noise alone does to a system
+    that is exactly as good as a fixed γ. Picking the best of several noisy
+    systems is biased upward, and the replica shows by how much."""
+    speed = {(r["category"], r["temperature"], r["system"]): r["tokens_per_second"] for r in rows}
+    replicas = [s for (_, _, s) in speed if s.endswith(REPLICA)]
+    picks: dict[str, dict[str, dict]] = defaultdict(dict)
+    for (group, temperature, system), tps in speed.items():
+        if not system.startswith("spec-g") or system.endswith(REPLICA):
+            continue
+        pick = picks[group].setdefault(f"T={temperature:g}", dict(best=system, best_tokens_per_second=tps))
+        if tps > pick["best_tokens_per_second"]:
+            pick.update(best=system, best_tokens_per_second=tps)
+    for group, temps in picks.items():
+        for key, pick in temps.items():
+            temperature = float(key.removeprefix("T="))
+            if (group, temperature, AUTO) in speed:
+                pick["auto_vs_best"] = round(speed[(group, temperature, AUTO)] / pick["best_tokens_per_second"], 3)
+            for replica in replicas[:1]:
+                twin = replica.removesuffix(REPLICA)
+                pick["replica_vs_best"] = round(speed[(group, temperature, replica)] / pick["best_tokens_per_second"], 3)
+                pick["replica_vs_twin"] = round(speed[(group, temperature, replica)] / speed[(group, temperature, twin)], 3)
+    return dict(picks)
+
+
+def within(picks: dict[str, dict[str, dict]], groups: list[str], field: str, margin: float = 0.05) -> str:
+    """'k/n': in how many (group, temperature) cells `field` is within `margin` of the best fixed γ."""
+    cells = [pick[field] for g in groups for pick in picks.get(g, {}).values() if field in pick]
+    return f"{sum(c >= 1 - margin for c in cells)}/{len(cells)}"
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
@@ -234,10 +279,26 @@ def markdown(rows: list[dict], meta: dict) -> str:
                     f"{speedups[1]} | {r.get('acceptance_rate', '')} | "
                     f"{r.get('mean_accepted_length', '')} | {split} | {r.get('greedy_identical', '')} |")
             lines.append("")
-    lines += ["## best fixed gamma (and auto's speed relative to it)", "", "| category | " + " | ".join(meta["temperature_keys"]) + " |",
-              "|---|" + "---|" * len(meta["temperature_keys"])]
-    for category, picks in meta["best_gamma"].items():
-        lines.append(f"| {category} | " + " | ".join(picks.get(k, "") for k in meta["temperature_keys"]) + " |")
+    picks, keys = meta["best_gamma"], meta["temperature_keys"]
+    replica = any("replica_vs_best" in pick for temps in picks.values() for pick in temps.values())
+    columns = ["best fixed", "auto / best"] + (["replica / best", "replica / twin"] if replica else [])
+    lines += ["## best fixed gamma, and auto's speed relative to it", "",
+              "Spec-Bench tasks first (MT-bench's categories pooled), then the categories. "
+              + ("The replica repeats a fixed γ, same work and same outputs: its ratios are the noise floor. "
+                 if replica else "") + "A ratio of 0.95 or more is within 5% of the best.", "",
+              "| group | " + " | ".join(f"{k}: {c}" for k in keys for c in columns) + " |",
+              "|---|" + "---|" * (len(keys) * len(columns))]
+    tasks = [g for g in picks if g == "all" or task_of(g) == g]
+    for group in tasks + [g for g in picks if g not in tasks]:
+        cells = []
+        for key in keys:
+            pick = picks[group].get(key, {})
+            cells += [f"{pick['best']} {pick['best_tokens_per_second']:.2f}" if pick else ""] + [
+                f"{pick[f]:.2f}x" if f in pick else "" for f in ("auto_vs_best", "replica_vs_best", "replica_vs_twin")
+                [: len(columns) - 1]]
+        lines.append(f"| {group} | " + " | ".join(cells) + " |")
+    lines += ["", f"Within 5% of the best fixed γ, Spec-Bench tasks and temperatures: auto {meta['auto_within_5pct']}"
+              + (f", replica {meta['replica_within_5pct']}" if replica else "") + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -273,10 +334,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--questions", type=pathlib.Path, default=DEFAULT_QUESTIONS)
     p.add_argument("--categories", help="comma-separated (default: all)")
     p.add_argument("--limit", type=int, help="questions per category")
+    p.add_argument("--per-task", type=int,
+                   help="questions per Spec-Bench task instead, spread over its categories (at least one each)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gammas", default="2,4,6")
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--no-hf", action="store_true", help="skip the in-process transformers baselines")
+    p.add_argument("--no-target-only", action="store_true", help="skip target-only (no speedups against it)")
+    p.add_argument("--replicate-gamma", type=int, metavar="N",
+                   help="run spec-gN twice, as spec-gN and spec-gN-replica: the run's own noise floor")
     p.add_argument("--ablate-confidence-stop", action="store_true",
                    help="also run spec-auto without the draft-confidence early stop")
     p.add_argument("--quick", action="store_true",
@@ -285,6 +351,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"))
     args = p.parse_args(argv)
+    if args.replicate_gamma is not None and str(args.replicate_gamma) not in args.gammas.split(","):
+        p.error(f"--replicate-gamma {args.replicate_gamma} must be one of --gammas ({args.gammas})")
     if args.quick:
         args.limit = args.limit or 1
         args.max_new_tokens = min(args.max_new_tokens, 32)
@@ -298,9 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     pair = PAIRS[args.pair]
     categories = args.categories.split(",") if args.categories else None
-    questions = load_questions(args.questions, categories, args.limit)
+    questions = load_questions(args.questions, categories, args.limit, args.per_task)
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    systems = [f"spec-g{int(g)}" for g in args.gammas.split(",")] + [AUTO, TARGET_ONLY]
+    systems = [f"spec-g{int(g)}" for g in args.gammas.split(",")] + [AUTO] + ([] if args.no_target_only else [
+        TARGET_ONLY])
+    if args.replicate_gamma is not None:
+        systems.insert(systems.index(AUTO), f"spec-g{args.replicate_gamma}{REPLICA}")
     if args.ablate_confidence_stop:
         systems.insert(systems.index(AUTO) + 1, AUTO_NOSTOP)
     if not args.no_hf:
@@ -344,11 +415,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         launcher.stop(children)
     rows = summarize(runs, systems)
+    picks = best_gamma(rows)
+    tasks = sorted({task_of(q.category) for q in questions})
     meta = dict(pair=args.pair, draft=pair.draft, target=pair.target, questions=len(questions),
                 skipped=[f"{q.category}/{q.question_id}" for q in too_long],
                 max_new_tokens=args.max_new_tokens, temperatures=temperatures, threads=args.threads,
                 systems=systems, wall_s=time.perf_counter() - started,
-                temperature_keys=[f"T={t:g}" for t in temperatures], best_gamma=best_gamma(rows),
+                temperature_keys=[f"T={t:g}" for t in temperatures], best_gamma=picks,
+                auto_within_5pct=within(picks, tasks, "auto_vs_best"),
+                replica_within_5pct=within(picks, tasks, "replica_vs_best"),
                 median_tokens_per_second={s: statistics.median(r.tokens_per_second for r in runs if r.system == s)
                                           for s in systems})
     args.out.mkdir(parents=True, exist_ok=True)

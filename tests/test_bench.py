@@ -40,12 +40,53 @@ def test_bench_quick_on_the_tiny_pair(tmp_path, capsys):
         assert abs(shares - 1) < 0.01
         assert greedy["speedup_vs_target_only"] > 0 and greedy["speedup_vs_hf_assisted"] > 0
     assert rows[("all", 0.0, "target-only")]["speedup_vs_target_only"] == 1.0
-    assert set(report["meta"]["best_gamma"]) == {"coding", "qa", "all"}
-    assert "(auto " in report["meta"]["best_gamma"]["all"]["T=0"]
+    # coding is an MT-bench category: it is also reported pooled, as Spec-Bench's task.
+    assert set(report["meta"]["best_gamma"]) == {"coding", "mt_bench", "qa", "all"}
+    pick = report["meta"]["best_gamma"]["all"]["T=0"]
+    assert pick["best"] in ("spec-g2", "spec-g4", "spec-g6") and pick["auto_vs_best"] > 0
+    assert "replica_vs_best" not in pick
 
     table = (out / "bench.md").read_text()
-    for heading in ("## coding, T=0", "## qa, T=0.7", "## all, T=0", "## best fixed gamma",
+    for heading in ("## coding, T=0", "## mt_bench, T=0", "## qa, T=0.7", "## all, T=0", "## best fixed gamma",
                     "prefill / draft / verify / overhead"):
         assert heading in table
     assert table in capsys.readouterr().out
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_replica_is_the_noise_floor_and_tasks_pool_mt_bench(tmp_path):
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS))
+    out = tmp_path / "out"
+    assert bench.main(["--pair", "tiny", "--questions", str(questions), "--per-task", "1", "--max-new-tokens", "8",
+                       "--temperatures", "0", "--no-hf", "--no-target-only", "--replicate-gamma", "4",
+                       "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["meta"]["systems"] == ["spec-g2", "spec-g4", "spec-g6", "spec-g4-replica", "spec-auto"]
+    runs = report["runs"]
+    # --per-task 1: one question per task, but every category at least once.
+    assert sorted({(r["category"], r["question_id"]) for r in runs}) == [("coding", "1"), ("qa", "3"), ("writing", "4")]
+    twin = {r["question_id"]: r["token_ids"] for r in runs if r["system"] == "spec-g4"}
+    assert all(r["token_ids"] == twin[r["question_id"]] for r in runs if r["system"] == "spec-g4-replica")
+    picks = report["meta"]["best_gamma"]
+    assert set(picks) == {"coding", "writing", "mt_bench", "qa", "all"}
+    for pick in (p for temps in picks.values() for p in temps.values()):
+        assert pick["best"] != "spec-g4-replica"                      # never a candidate for best
+        assert pick["replica_vs_best"] > 0 and pick["replica_vs_twin"] > 0
+    # Tasks (mt_bench, qa) are what the criterion counts, not the categories pooled into them.
+    assert report["meta"]["auto_within_5pct"].endswith("/2")
+    assert report["meta"]["replica_within_5pct"].endswith("/2")
+    assert "replica / best" in (out / "bench.md").read_text()
+
+
+def test_per_task_spreads_over_categories_and_takes_each_at_least_once(tmp_path):
+    rows = [("w1", "writing"), ("w2", "writing"), ("c1", "coding"), ("c2", "coding"), ("q1", "qa"), ("q2", "qa"),
+            ("q3", "qa")]
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [i]}) for i, c in rows))
+    ids = lambda **kw: [q.question_id for q in bench.load_questions(path, None, **kw)]  # noqa: E731
+    assert ids(limit=1) == ["w1", "c1", "q1"]
+    assert ids(limit=None, per_task=1) == ["w1", "c1", "q1"]            # mt_bench: both of its categories
+    assert ids(limit=None, per_task=3) == ["w1", "w2", "c1", "q1", "q2", "q3"]  # round-robin within mt_bench
+    assert ids(limit=None, per_task=9) == [i for i, _ in rows]          # no more than there are
+    assert bench.task_of("roleplay") == "mt_bench" and bench.task_of("rag") == "rag"
