@@ -16,8 +16,10 @@ plus a little per token). γ = 0 is plain target decoding: no drafter call.
 * at γ = 0 nothing is observed, so a probe round drafts `probe_gamma` tokens
   after `probe_every` rounds, with the interval doubling while probes fail;
 * a prior shared across requests, one per sampling regime (greedy, or a
-  temperature bucket): a request starts from the recent average and returns
-  what it learned when it ends;
+  temperature bucket): a request starts from the recent average, worth a few
+  rounds of its own, and returns what it learned when it ends;
+* positions a round did not reach lose weight, so a stretch at small γ does
+  not freeze the estimates of the deeper positions;
 * within a round, γ is an upper bound: the drafter stops after a token it is
   unsure of (`min_confidence`), so easy stretches get long drafts and hard ones
   short drafts, which no fixed γ can do.
@@ -97,10 +99,17 @@ class Acceptance:
     count_by_position: list[float] = field(default_factory=list)
     rate: float = 0.04         # EWMA step: about the last 25 drafted positions
     shrink: float = 5.0        # pseudo-observations pulling a position toward alpha
+    stale: float = 0.9         # per round, what a position not judged keeps of its evidence
 
     def observe(self, drafted: int, accepted: int) -> None:
         # Positions 1..accepted were accepted; position accepted+1 (if drafted) rejected.
-        for i in range(min(drafted, accepted + 1)):
+        judged = min(drafted, accepted + 1)
+        # What was learned of the deeper positions goes stale: text changes. Without
+        # this, a stretch at small γ would freeze them at whatever they were, and γ
+        # could not grow back when the text gets easier (only judged positions move).
+        for i in range(judged, len(self.count_by_position)):
+            self.count_by_position[i] *= self.stale
+        for i in range(judged):
             hit = 1.0 if i < accepted else 0.0
             self.count += 1
             self.alpha += max(self.rate, 1 / self.count) * (hit - self.alpha)
@@ -109,6 +118,14 @@ class Acceptance:
                 self.count_by_position.append(0.0)
             self.count_by_position[i] += 1
             self.by_position[i] += max(self.rate, 1 / self.count_by_position[i]) * (hit - self.by_position[i])
+
+    def capped(self, weight: float) -> "Acceptance":
+        """This estimate as a new request's prior: worth at most `weight` observations,
+        so the request's own rounds take over within a few rounds (a running mean
+        first, then the EWMA), whatever the text before it was."""
+        self.count = min(self.count, weight)
+        self.count_by_position = [min(n, weight) for n in self.count_by_position]
+        return self
 
     def age(self, factor: float) -> None:
         """Forget a little while nothing is observed (γ = 0): the next probe's
@@ -290,8 +307,8 @@ class GammaPriors:
     cost model is shared by all). A new request starts from a copy; when it ends
     its state is blended back in."""
 
-    def __init__(self, blend: float = 0.5):
-        self.blend = blend
+    def __init__(self, blend: float = 0.5, prior_weight: float = 5.0):
+        self.blend, self.prior_weight = blend, prior_weight
         self.lock = threading.Lock()
         self.acceptance: dict[str, Acceptance] = {}
         self.calibration: dict[str, Calibration] = {}
@@ -301,7 +318,7 @@ class GammaPriors:
     def start(self, sampling: SamplingConfig) -> ControllerState:
         with self.lock:
             key = regime(sampling)
-            acceptance = copy.deepcopy(self.acceptance.get(key, Acceptance()))
+            acceptance = copy.deepcopy(self.acceptance.get(key, Acceptance())).capped(self.prior_weight)
             calibration = copy.deepcopy(self.calibration.get(key, Calibration()))
             return ControllerState(acceptance, copy.deepcopy(self.cost), calibration, self.rounds)
 

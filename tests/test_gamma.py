@@ -188,3 +188,34 @@ def test_calibration_is_shared_per_regime():
     priors.finish(greedy, state)
     assert priors.start(greedy).calibration.accept_probability(2) > 0.8
     assert priors.start(SamplingConfig(temperature=0.7)).calibration.accept_probability(2) == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_easy_request_after_hard_ones_finds_a_long_gamma_quickly(seed):
+    """Hard requests leave a prior of small γ, and the deeper positions are then
+    rarely judged. An easy request must not be held down by that past: its own
+    rounds outweigh the prior, and unjudged positions lean on the judged ones."""
+    priors, greedy = GammaPriors(), SamplingConfig(temperature=0.0).validate()
+    for s in range(3):
+        hard = GammaController(GAMMA_MAX, priors.start(greedy))
+        Stream(0.5, seed=10 * seed + s).run(hard, 30)
+        priors.finish(greedy, hard.state)
+    easy = Stream(0.9, seed=5 + seed).run(GammaController(GAMMA_MAX, priors.start(greedy)), 30)
+    optimum = true_goodput(0.9, brute_force_best(0.9))
+    # Over a short request's 30 rounds (about 100 tokens), most of the optimum's goodput.
+    assert sum(true_goodput(0.9, g) / optimum for g in easy) / len(easy) >= 0.86, easy
+    assert max(easy) >= 4, easy
+
+
+def test_a_new_request_leans_on_the_prior_only_for_its_first_rounds():
+    priors = GammaPriors()
+    greedy = SamplingConfig(temperature=0.0).validate()
+    for seed in range(4):  # a long history of easy text
+        request = GammaController(GAMMA_MAX, priors.start(greedy))
+        Stream(0.95, seed=seed).run(request, 80)
+        priors.finish(greedy, request.state)
+    hard = GammaController(GAMMA_MAX, priors.start(greedy))
+    assert hard.state.acceptance.count <= priors.prior_weight
+    assert max(hard.state.acceptance.count_by_position) <= priors.prior_weight
+    Stream(0.4, seed=9).run(hard, 12)
+    assert hard.state.acceptance.at(0) < 0.7, hard.state.acceptance  # its own 12 rounds outweigh the history
