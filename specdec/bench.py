@@ -82,10 +82,11 @@ class Run:
 
 
 def load_questions(path: pathlib.Path, categories: list[str] | None, limit: int | None,
-                   per_task: int | None = None) -> list[Question]:
+                   per_task: int | None = None, skip: int = 0) -> list[Question]:
     """First turns of Spec-Bench questions. `limit` applies per category;
     `per_task` takes that many per Spec-Bench task, round-robin over the task's
-    categories, and at least one of each category."""
+    categories, and at least one of each category. `skip` passes over each
+    category's first questions (a second sample of prompts)."""
     by_category: dict[str, list[Question]] = defaultdict(list)
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -94,6 +95,7 @@ def load_questions(path: pathlib.Path, categories: list[str] | None, limit: int 
             if categories and category not in categories:
                 continue
             by_category[category].append(Question(str(row["question_id"]), category, row["turns"][0]))
+    by_category = defaultdict(list, {c: qs[skip:] for c, qs in by_category.items() if qs[skip:]})
     if per_task is not None:
         tasks: dict[str, list[list[Question]]] = defaultdict(list)
         for category, qs in by_category.items():
@@ -334,6 +336,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--questions", type=pathlib.Path, default=DEFAULT_QUESTIONS)
     p.add_argument("--categories", help="comma-separated (default: all)")
     p.add_argument("--limit", type=int, help="questions per category")
+    p.add_argument("--skip", type=int, default=0, help="pass over each category's first N questions")
     p.add_argument("--per-task", type=int,
                    help="questions per Spec-Bench task instead, spread over its categories (at least one each)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -366,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     pair = PAIRS[args.pair]
     categories = args.categories.split(",") if args.categories else None
-    questions = load_questions(args.questions, categories, args.limit, args.per_task)
+    questions = load_questions(args.questions, categories, args.limit, args.per_task, args.skip)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     systems = [f"spec-g{int(g)}" for g in args.gammas.split(",")] + [AUTO] + ([] if args.no_target_only else [
         TARGET_ONLY])

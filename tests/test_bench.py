@@ -89,4 +89,6 @@ def test_per_task_spreads_over_categories_and_takes_each_at_least_once(tmp_path)
     assert ids(limit=None, per_task=1) == ["w1", "c1", "q1"]            # mt_bench: both of its categories
     assert ids(limit=None, per_task=3) == ["w1", "w2", "c1", "q1", "q2", "q3"]  # round-robin within mt_bench
     assert ids(limit=None, per_task=9) == [i for i, _ in rows]          # no more than there are
+    assert ids(limit=None, per_task=2, skip=1) == ["w2", "c2", "q2", "q3"]  # a second sample of prompts
+    assert ids(limit=None, per_task=2, skip=2) == ["q3"]
     assert bench.task_of("roleplay") == "mt_bench" and bench.task_of("rag") == "rag"
