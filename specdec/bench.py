@@ -95,7 +95,7 @@ def load_questions(path: pathlib.Path, categories: list[str] | None, limit: int 
             if categories and category not in categories:
                 continue
             by_category[category].append(Question(str(row["question_id"]), category, row["turns"][0]))
-    by_category = defaultdict(list, {c: qs[skip:] for c, qs in by_category.items() if qs[skip:]})
+    by_category = {c: qs[skip:] for c, qs in by_category.items() if qs[skip:]}
     if per_task is not None:
         tasks: dict[str, list[list[Question]]] = defaultdict(list)
         for category, qs in by_category.items():
@@ -233,23 +233,25 @@ def best_gamma(rows: list[dict]) -> dict[str, dict[str, dict]]:
     that is exactly as good as a fixed γ. Picking the best of several noisy
     systems is biased upward, and the replica shows by how much."""
     speed = {(r["category"], r["temperature"], r["system"]): r["tokens_per_second"] for r in rows}
-    replicas = [s for (_, _, s) in speed if s.endswith(REPLICA)]
+    replica = next((s for (_, _, s) in speed if s.endswith(REPLICA)), None)
     picks: dict[str, dict[str, dict]] = defaultdict(dict)
     for (group, temperature, system), tps in speed.items():
         if not system.startswith("spec-g") or system.endswith(REPLICA):
             continue
-        pick = picks[group].setdefault(f"T={temperature:g}", dict(best=system, best_tokens_per_second=tps))
+        pick = picks[group].setdefault(f"T={temperature:g}", dict(temperature=temperature, best=system,
+                                                                   best_tokens_per_second=tps))
         if tps > pick["best_tokens_per_second"]:
             pick.update(best=system, best_tokens_per_second=tps)
     for group, temps in picks.items():
-        for key, pick in temps.items():
-            temperature = float(key.removeprefix("T="))
-            if (group, temperature, AUTO) in speed:
-                pick["auto_vs_best"] = round(speed[(group, temperature, AUTO)] / pick["best_tokens_per_second"], 3)
-            for replica in replicas[:1]:
-                twin = replica.removesuffix(REPLICA)
-                pick["replica_vs_best"] = round(speed[(group, temperature, replica)] / pick["best_tokens_per_second"], 3)
-                pick["replica_vs_twin"] = round(speed[(group, temperature, replica)] / speed[(group, temperature, twin)], 3)
+        for pick in temps.values():
+            relative = lambda system: round(speed[(group, pick["temperature"], system)] / pick[  # noqa: E731
+                "best_tokens_per_second"], 3)
+            if (group, pick["temperature"], AUTO) in speed:
+                pick["auto_vs_best"] = relative(AUTO)
+            if replica is not None:
+                twin = speed[(group, pick["temperature"], replica.removesuffix(REPLICA))]
+                pick["replica_vs_best"] = relative(replica)
+                pick["replica_vs_twin"] = round(speed[(group, pick["temperature"], replica)] / twin, 3)
     return dict(picks)
 
 
