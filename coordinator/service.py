@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
-
-import grpc
 import uuid
 from dataclasses import dataclass
+
+import grpc
 
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind

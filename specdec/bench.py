@@ -244,14 +244,12 @@ def best_gamma(rows: list[dict]) -> dict[str, dict[str, dict]]:
             pick.update(best=system, best_tokens_per_second=tps)
     for group, temps in picks.items():
         for pick in temps.values():
-            relative = lambda system: round(speed[(group, pick["temperature"], system)] / pick[  # noqa: E731
-                "best_tokens_per_second"], 3)
-            if (group, pick["temperature"], AUTO) in speed:
-                pick["auto_vs_best"] = relative(AUTO)
+            temperature, best = pick["temperature"], pick["best_tokens_per_second"]
+            if (group, temperature, AUTO) in speed:
+                pick["auto_vs_best"] = round(speed[(group, temperature, AUTO)] / best, 3)
             if replica is not None:
-                twin = speed[(group, pick["temperature"], replica.removesuffix(REPLICA))]
-                pick["replica_vs_best"] = relative(replica)
-                pick["replica_vs_twin"] = round(speed[(group, pick["temperature"], replica)] / twin, 3)
+                mine, twin = (speed[(group, temperature, s)] for s in (replica, replica.removesuffix(REPLICA)))
+                pick["replica_vs_best"], pick["replica_vs_twin"] = round(mine / best, 3), round(mine / twin, 3)
     return dict(picks)
 
 
@@ -285,7 +283,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
             lines.append("")
     picks, keys = meta["best_gamma"], meta["temperature_keys"]
     replica = any("replica_vs_best" in pick for temps in picks.values() for pick in temps.values())
-    columns = ["best fixed", "auto / best"] + (["replica / best", "replica / twin"] if replica else [])
+    fields = {"auto_vs_best": "auto / best"} | (
+        {"replica_vs_best": "replica / best", "replica_vs_twin": "replica / twin"} if replica else {})
+    columns = ["best fixed", *fields.values()]
     lines += ["## best fixed gamma, and auto's speed relative to it", "",
               "Spec-Bench tasks first (MT-bench's categories pooled), then the categories. "
               + ("The replica repeats a fixed γ, same work and same outputs: its ratios are the noise floor. "
@@ -297,9 +297,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         cells = []
         for key in keys:
             pick = picks[group].get(key, {})
-            cells += [f"{pick['best']} {pick['best_tokens_per_second']:.2f}" if pick else ""] + [
-                f"{pick[f]:.2f}x" if f in pick else "" for f in ("auto_vs_best", "replica_vs_best", "replica_vs_twin")
-                [: len(columns) - 1]]
+            cells.append(f"{pick['best']} {pick['best_tokens_per_second']:.2f}" if pick else "")
+            cells += [f"{pick[f]:.2f}x" if f in pick else "" for f in fields]
         lines.append(f"| {group} | " + " | ".join(cells) + " |")
     lines += ["", f"Within 5% of the best fixed γ, Spec-Bench tasks and temperatures: auto {meta['auto_within_5pct']}"
               + (f", replica {meta['replica_within_5pct']}" if replica else "") + "."]
