@@ -1,12 +1,18 @@
-"""Typed clients for the drafter and the verifier (proto <-> domain)."""
+"""Typed clients for the drafter and the verifier (proto <-> domain).
+
+A failed call becomes a `RemoteError` whose message is fit for public clients:
+what failed and what to do, never the backend's address. The address and gRPC's
+own details go to the log and to the current span."""
 from __future__ import annotations
 
+import logging
 from typing import Callable, Sequence
 
 import grpc
+from opentelemetry import trace
 
-from specdec.errors import RemoteError
-from specdec.proposer import Commit, Proposal, Proposer, ProposerUnavailable
+from specdec.errors import TRANSPORT_CODES, RemoteError, public_message
+from specdec.proposer import Commit, Proposal, Proposer, ProposerUnavailable, Verdict
 from specdec.sampling import SamplingConfig
 from specdec import telemetry
 from specdec.security import ClientTls
@@ -14,6 +20,7 @@ from specdec.serving import channel
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.wire import sampling_to_proto
 
+log = logging.getLogger("coordinator")
 Timeout = Callable[[], "float | None"]  # seconds left of the caller's deadline
 
 
@@ -29,11 +36,20 @@ class ModelClient:
         self.channel = channel(address, tls)
         self.stub = stub_cls(telemetry.traced_channel(self.channel))
 
+    def failure(self, method: str, exc: grpc.RpcError) -> RemoteError:
+        """The public error for a failed call; the details stay in the log and the trace."""
+        code, details = exc.code(), exc.details() or ""
+        log.warning("%s at %s: %s: %s: %s", self.service, self.address, method, code.name, details)
+        trace.get_current_span().add_event("backend_error", {
+            "specdec.backend": self.service, "specdec.backend.address": self.address, "rpc.method": method,
+            "rpc.grpc.status_code": code.value[0], "specdec.backend.details": details})
+        return RemoteError(code, public_message(self.service, code, details))
+
     def call(self, method: str, request, timeout: float | None = None):
         try:
             return getattr(self.stub, method)(request, timeout=timeout)
         except grpc.RpcError as exc:
-            raise RemoteError(f"{self.service} at {self.address}", exc) from exc
+            raise self.failure(method, exc) from exc
 
     def info(self, timeout: float = 10.0) -> common_pb2.ModelInfo:
         return self.call("Info", common_pb2.InfoRequest(), timeout)
@@ -62,10 +78,11 @@ class VerifierClient(ModelClient):
             session_id=session_id, prompt_token_ids=prompt_ids), timeout)
 
     def verify(self, session_id: str, proposal: Proposal, sampling: SamplingConfig,
-               timeout: float | None = None) -> verifier_pb2.VerifyResponse:
-        return self.call("Verify", verifier_pb2.VerifyRequest(
+               timeout: float | None = None) -> Verdict:
+        reply = self.call("Verify", verifier_pb2.VerifyRequest(
             session_id=session_id, draft_token_ids=proposal.token_ids,
             draft_probs_fp16=proposal.draft_probs_fp16, sampling=sampling_to_proto(sampling)), timeout)
+        return Verdict(reply.num_accepted, reply.next_token_id, reply.bonus)
 
     def decode(self, session_id: str, num_tokens: int, sampling: SamplingConfig,
                timeout: float | None = None) -> list[int]:
@@ -79,13 +96,29 @@ class DrafterClient(ModelClient):
     def __init__(self, address: str, tls: ClientTls | None = None):
         super().__init__(address, drafter_pb2_grpc.DrafterStub, tls)
 
+    def start_session_async(self, session_id: str, prompt_ids: Sequence[int], timeout: float | None) -> grpc.Future:
+        """StartSession without waiting (its prefill overlaps the verifier's); the
+        future's result is the StartSessionResponse."""
+        return self.stub.StartSession.future(
+            common_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt_ids), timeout=timeout)
+
+    def propose(self, session_id: str, num_tokens: int, sampling: SamplingConfig, commit: Commit | None,
+                min_confidence: float, timeout: float | None) -> Proposal:
+        """Raises grpc.RpcError as it is: the proposer decides what a failure means."""
+        request = drafter_pb2.ProposeRequest(session_id=session_id, num_tokens=num_tokens,
+                                             sampling=sampling_to_proto(sampling), min_confidence=min_confidence)
+        if commit is not None:
+            request.commit.num_accepted = commit.num_accepted
+            request.commit.target_token_ids.extend(commit.target_token_ids)
+        reply = self.stub.Propose(request, timeout=timeout)
+        return Proposal(tuple(reply.draft_token_ids), reply.draft_probs_fp16, tuple(reply.draft_confidences))
+
 
 class RemoteDraftProposer(Proposer):
     """The drafter service as a Proposer, for one request. StartSession is sent
     without waiting, so it overlaps the verifier's prefill; the first Propose
     waits for it. A drafter failure becomes ProposerUnavailable (the loop goes
     on target-only); the caller's cancellation or deadline stays what it is."""
-    name = "draft-model"
 
     def __init__(self, client: DrafterClient, expected_fingerprint: str, timeout: Timeout = _no_deadline,
                  call_timeout_s: float = 30.0):
@@ -102,9 +135,7 @@ class RemoteDraftProposer(Proposer):
 
     def start(self, session_id: str, prompt_ids: Sequence[int]) -> None:
         self._session_id = session_id
-        self._started = self.client.stub.StartSession.future(
-            common_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt_ids),
-            timeout=self._timeout())
+        self._started = self.client.start_session_async(session_id, prompt_ids, self._timeout())
 
     def ready(self) -> None:
         self._await_start()
@@ -119,34 +150,33 @@ class RemoteDraftProposer(Proposer):
             raise self._failure("StartSession", exc) from exc
         # Checked on every session, so a drafter that came back with another model is caught.
         if reply.tokenizer_fingerprint != self.expected_fingerprint:
+            log.error("drafter at %s now has tokenizer %s, not the target's %s", self.client.address,
+                      reply.tokenizer_fingerprint, self.expected_fingerprint)
             raise ProposerUnavailable(
-                f"drafter at {self.client.address} now has tokenizer {reply.tokenizer_fingerprint[:19]}..., "
-                f"not the target's {self.expected_fingerprint[:19]}...; drafting is off until the drafter "
-                "serves the target's tokenizer again", grpc.StatusCode.FAILED_PRECONDITION)
+                "the drafter now serves another tokenizer than the target's; drafting is off until it serves the "
+                "target's again (this request went target-only: same output, slower)",
+                grpc.StatusCode.FAILED_PRECONDITION)
 
     def _failure(self, method: str, exc: grpc.RpcError) -> Exception:
         remaining = self._caller_timeout()
         callers_own = exc.code() == grpc.StatusCode.CANCELLED or (
             exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and remaining is not None and remaining <= 0)
+        error = self.client.failure(method, exc)
         if callers_own:
-            return RemoteError(f"drafter at {self.client.address}", exc)
-        return ProposerUnavailable(f"drafter at {self.client.address}: {method}: {exc.code().name}: "
-                                   f"{exc.details()}", exc.code())
+            return error
+        code = exc.code()
+        what = (f"the drafter became unavailable ({code.name})" if code in TRANSPORT_CODES else
+                f"the drafter refused {method} ({code.name}: {exc.details()})")
+        return ProposerUnavailable(f"{what}; this request went target-only (same output, slower)", code)
 
     def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None,
                 min_confidence: float = 0.0) -> Proposal:
         self._await_start()
-        request = drafter_pb2.ProposeRequest(session_id=self._session_id, num_tokens=num_tokens,
-                                             sampling=sampling_to_proto(sampling), min_confidence=min_confidence)
-        if commit is not None:
-            request.commit.num_accepted = commit.num_accepted
-            request.commit.target_token_ids.extend(commit.target_token_ids)
         try:
-            reply = self.client.stub.Propose(request, timeout=self._timeout())
+            return self.client.propose(self._session_id, num_tokens, sampling, commit, min_confidence,
+                                       self._timeout())
         except grpc.RpcError as exc:
             raise self._failure("Propose", exc) from exc
-        return Proposal(tuple(reply.draft_token_ids), reply.draft_probs_fp16, reply.vocab_size,
-                        tuple(reply.draft_confidences))
 
     def end(self) -> None:
         if self._session_id is None:

@@ -21,6 +21,7 @@ from coordinator.clients import VerifierClient
 from coordinator.gamma import GammaController, GammaPriors
 from coordinator.metrics import Metrics
 from coordinator.output import Delta, OutputAccumulator
+from coordinator.rounds import RoundRecord
 
 DECODE_CHUNK = 16  # target-only tokens per Decode call (one streamed message each)
 
@@ -30,7 +31,8 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     sampling: SamplingConfig
-    gamma: int                      # 0 = target-only decoding; the upper bound when adaptive
+    gamma_max: int                  # draft tokens a round may ask for: every round's γ when fixed,
+                                    # the bound of the controller's choice when adaptive; 0 = target-only
     stop: tuple[str, ...] = ()
     adaptive: bool = False          # γ chosen per round by a GammaController
     ignore_eos: bool = False        # keep going past EOS (load tests, benchmarks)
@@ -51,19 +53,21 @@ class Stats:
     verify_ms: float = 0.0
     total_ms: float = 0.0
     output_tokens: int = 0
-    fallback: str = ""  # why this request went on target-only after a proposer failure
+    fallback: str = ""  # why this request went target-only: the proposer failed, or was down from the start
 
-    def record_round(self, drafted: int, accepted: int) -> None:
+    def record(self, round: RoundRecord) -> None:
         self.rounds += 1
-        self.draft_tokens += drafted
-        self.accepted_tokens += accepted
-        grow = drafted - len(self.drafted_at)
+        self.draft_tokens += round.drafted
+        self.accepted_tokens += round.accepted
+        self.draft_ms += round.draft_ms
+        self.verify_ms += round.verify_ms
+        grow = round.drafted - len(self.drafted_at)
         if grow > 0:
             self.drafted_at += [0] * grow
             self.accepted_at += [0] * grow
-        for position in range(drafted):
+        for position, accepted in enumerate(round.accepted_by_position):
             self.drafted_at[position] += 1
-            self.accepted_at[position] += position < accepted
+            self.accepted_at[position] += accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -105,13 +109,17 @@ class SpeculativeEngine:
 
     def generate(self, request: GenerationRequest, proposer: Proposer | None,
                  timeout: Callable[[], float | None] = lambda: None,
-                 cancelled: Callable[[], bool] = lambda: False, session_id: str | None = None) -> Iterator[Update]:
+                 cancelled: Callable[[], bool] = lambda: False, session_id: str | None = None,
+                 fallback: str = "") -> Iterator[Update]:
         """Yields one Update per round; the last one has delta.finish_reason set.
 
+        `fallback`: why a request that asked to speculate has no proposer (it then
+        decodes target-only and says so in its stats).
         Stops within one round of the caller cancelling or its deadline passing.
         Both sessions are ended however the generator is left (done, error, cancel)."""
         session_id = session_id or uuid.uuid4().hex
-        stats = Stats(prompt_tokens=len(request.prompt_ids), gamma=request.gamma if proposer else 0)
+        stats = Stats(prompt_tokens=len(request.prompt_ids), gamma=request.gamma_max if proposer else 0,
+                      fallback=fallback)
         eos = () if request.ignore_eos else self.eos_token_ids
         output = OutputAccumulator(self.tokenizer, eos, request.max_new_tokens, request.stop)
         started = time.perf_counter()
@@ -161,7 +169,7 @@ class SpeculativeEngine:
 
     def _speculative_rounds(self, session_id: str, request: GenerationRequest, proposer: Proposer, stats: Stats,
                             output: OutputAccumulator, timeout) -> Iterator[list[int]]:
-        controller = GammaController(request.gamma, self.gamma_priors.start(request.sampling)) \
+        controller = GammaController(request.gamma_max, self.gamma_priors.start(request.sampling)) \
             if request.adaptive else None
         try:
             yield from self._rounds(session_id, request, proposer, stats, output, timeout, controller)
@@ -179,46 +187,41 @@ class SpeculativeEngine:
         while True:
             with telemetry.tracer.start_as_current_span("round") as span:
                 # 1. Choose γ (fixed, or by the controller); the verifier always adds one token.
-                remaining = request.max_new_tokens - len(output.token_ids)
-                limit = max(0, remaining - 1)
-                gamma = controller.next_gamma(limit) if controller else min(request.gamma, limit)
+                limit = max(0, request.max_new_tokens - len(output.token_ids) - 1)
+                gamma = controller.next_gamma(limit) if controller else min(request.gamma_max, limit)
                 # 2. Propose gamma tokens; the previous round's commit rides on the call.
-                proposal, draft_ms, stop_below = Proposal(()), 0.0, 0.0
+                proposal, draft_ms, min_confidence = Proposal(()), 0.0, 0.0
                 if gamma > 0:
                     started = time.perf_counter()
                     if controller is not None and request.confidence_stop:
-                        stop_below = controller.min_confidence()  # the drafter may stop short of gamma
-                    proposal = proposer.propose(gamma, request.sampling, commit, stop_below)
+                        min_confidence = controller.min_confidence()  # the drafter may stop short of gamma
+                    proposal = proposer.propose(gamma, request.sampling, commit, min_confidence)
                     draft_ms = (time.perf_counter() - started) * 1e3
                     commit = None
                 # 3. Verify: one target forward pass over the draft, then the rejection sampler.
                 started = time.perf_counter()
                 verdict = self.verifier.verify(session_id, proposal, request.sampling, timeout())
                 verify_ms = (time.perf_counter() - started) * 1e3
-                stats.draft_ms += draft_ms
-                stats.verify_ms += verify_ms
                 # 4. The round's tokens: accepted drafts, then the recovered or bonus token.
-                accepted = list(proposal.token_ids[: verdict.num_accepted])
-                new_tokens = accepted + [verdict.next_token_id]
-                # 5. Remember what the proposer must commit next time it is called.
-                if commit is None:
-                    commit = Commit(verdict.num_accepted, (verdict.next_token_id,))
-                else:  # no proposal this round: the target tokens pile up
-                    commit = Commit(commit.num_accepted, commit.target_token_ids + (verdict.next_token_id,))
-                drafted = len(proposal.token_ids)  # a proposer may offer fewer than gamma
-                stats.record_round(drafted, verdict.num_accepted)
-                self.metrics.observe_round(gamma, drafted, verdict.num_accepted, (draft_ms + verify_ms) / 1e3)
-                if controller is not None:
-                    stats.gamma = gamma  # adaptive: the γ of the latest round
-                    controller.observe(drafted, verdict.num_accepted, draft_ms, verify_ms, proposal.confidences)
-                span.set_attributes({
-                    "specdec.round.index": stats.rounds - 1, "specdec.gamma": gamma,
-                    "specdec.draft_tokens": drafted, "specdec.accepted_tokens": verdict.num_accepted,
-                    # -1: nothing rejected (all drafts accepted, or none drafted)
-                    "specdec.first_rejected_position": verdict.num_accepted if verdict.num_accepted < drafted else -1,
-                    "specdec.bonus": verdict.bonus, "specdec.draft_ms": draft_ms, "specdec.verify_ms": verify_ms,
-                    "specdec.min_confidence": stop_below})
+                new_tokens = [*proposal.token_ids[: verdict.num_accepted], verdict.next_token_id]
+                # 5. Remember what the proposer must commit next time it is called
+                #    (with no proposal this round, the target tokens pile up).
+                commit = Commit(verdict.num_accepted, (verdict.next_token_id,)) if commit is None else \
+                    Commit(commit.num_accepted, commit.target_token_ids + (verdict.next_token_id,))
+                # 6. Record the round once: stats, metrics, the controller and the span read it.
+                record = RoundRecord(stats.rounds, gamma, len(proposal.token_ids), verdict.num_accepted,
+                                     verdict.bonus, draft_ms, verify_ms, min_confidence, proposal.confidences,
+                                     len(new_tokens))
+                self._record(record, stats, controller)
+                span.set_attributes(record.span_attributes())
             yield new_tokens
+
+    def _record(self, record: RoundRecord, stats: Stats, controller: GammaController | None) -> None:
+        stats.record(record)
+        self.metrics.observe_round(record)
+        if controller is not None:
+            stats.gamma = record.gamma  # adaptive: the γ of the latest round
+            controller.observe(record)
 
     def _target_only_rounds(self, session_id: str, request: GenerationRequest, stats: Stats,
                             output: OutputAccumulator, timeout) -> Iterator[list[int]]:
@@ -226,6 +229,6 @@ class SpeculativeEngine:
             remaining = request.max_new_tokens - len(output.token_ids)
             started = time.perf_counter()
             tokens = self.verifier.decode(session_id, min(DECODE_CHUNK, remaining), request.sampling, timeout())
-            stats.verify_ms += (time.perf_counter() - started) * 1e3
-            stats.record_round(0, 0)
+            self._record(RoundRecord(stats.rounds, 0, 0, 0, False, verify_ms=(time.perf_counter() - started) * 1e3,
+                                     new_tokens=len(tokens)), stats, None)
             yield tokens

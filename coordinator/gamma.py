@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 from specdec.sampling import SamplingConfig
 
+from coordinator.rounds import RoundRecord
+
 
 class EwLinearFit:
     """y ≈ a + b·x, fitted with exponential forgetting.
@@ -268,14 +270,15 @@ class GammaController:
             gamma = max(0, min(gamma, limit))
         return gamma
 
-    def observe(self, gamma: int, accepted: int, draft_ms: float, verify_ms: float,
-                confidences: tuple[float, ...] = ()) -> None:
+    def observe(self, round: RoundRecord) -> None:
         state = self.state
         state.rounds += 1
-        state.cost.observe(gamma, draft_ms, verify_ms)
-        if gamma > 0:
-            state.acceptance.observe(gamma, accepted)
-            state.calibration.observe(confidences, accepted)
+        # What was drafted, not what was asked for: a confidence stop may draft fewer.
+        drafted, accepted = round.drafted, round.accepted
+        state.cost.observe(drafted, round.draft_ms, round.verify_ms)
+        if drafted > 0:
+            state.acceptance.observe(drafted, accepted)
+            state.calibration.observe(round.confidences, accepted)
         if state.rounds < self.warmup_rounds:
             return
         best = self.best()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from coordinator.rounds import RoundRecord
+
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
@@ -35,18 +37,18 @@ class Metrics:
         self.tokens_per_second = Histogram("specdec_request_tokens_per_second", "Output tokens/s per request",
                                            registry=r, buckets=(.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 50, 100, 200))
 
-    def observe_round(self, gamma: int, drafted: int, accepted: int, seconds: float) -> None:
+    def observe_round(self, round: RoundRecord) -> None:
         self.rounds.inc()
-        self.gamma.observe(gamma)
-        self.round_seconds.observe(seconds)
-        self.accepted_length.observe(accepted + 1)
-        if drafted:
+        self.gamma.observe(round.gamma)
+        self.round_seconds.observe((round.draft_ms + round.verify_ms) / 1e3)
+        self.accepted_length.observe(round.new_tokens)
+        if round.drafted:
             self.drafts.inc()
-            self.draft_tokens.inc(drafted)
-            self.accepted_tokens.inc(accepted)
-            for position in range(drafted):
+            self.draft_tokens.inc(round.drafted)
+            self.accepted_tokens.inc(round.accepted)
+            for position, accepted in enumerate(round.accepted_by_position):
                 self.drafted_at.labels(str(position)).inc()
-                if position < accepted:
+                if accepted:
                     self.accepted_at.labels(str(position)).inc()
 
     def observe_request(self, output_tokens: int, seconds: float, finish_reason: str) -> None:

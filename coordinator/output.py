@@ -1,5 +1,14 @@
 """Turning each round's new tokens into output: EOS, length and stop strings,
-and text deltas that never split a UTF-8 character or half-show a stop string."""
+and text deltas that never split a UTF-8 character or half-show a stop string.
+
+The rule for `token_ids` and `text` (also in coordinator.proto): `token_ids` are
+the fewest tokens whose decoded text covers `text`. Without a stop string that is
+every generated token (EOS excluded) and `text` is their decoding. On a stop
+string, `text` ends just before it, and the last token may run past that cut when
+the stop string begins inside it; a token that lies wholly in or after the stop
+string is never included. With stop strings, a stream sends a token id once the
+text it covers has been sent, so its ids always add up to the unary response's.
+"""
 from __future__ import annotations
 
 import enum
@@ -57,26 +66,32 @@ class OutputAccumulator:
 
     def _apply_stop(self, first_new: int) -> None:
         search_from = max(0, self._sent_chars - self.holdback)
-        hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if not hits:
             return
-        index, _ = min(hits)
-        # Keep the fewest tokens whose text already contains the stop string.
-        for k in range(first_new + 1, len(self.token_ids) + 1):
-            if any(s in self._decode(self.token_ids[:k]) for _, s in hits):
-                del self.token_ids[k:]
-                break
-        self.text = self.text[:index]
+        self.text = self.text[:min(hits)]
+        del self.token_ids[self._covering(len(self.text)):]
         self.finish_reason = FinishReason.STOP
+
+    def _covering(self, chars: int) -> int:
+        """The fewest tokens whose text is at least `chars` long (never fewer than were sent)."""
+        k = self._sent_tokens
+        while k < len(self.token_ids) and len(self._decode(self.token_ids[:k])) < chars:
+            k += 1
+        return k
 
     def _delta(self) -> Delta:
         if self.finish_reason is not None:
             safe = len(self.text)
+            tokens = len(self.token_ids)
         else:
             safe = len(self.text) - self.holdback
             while safe > 0 and self.text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
                 safe -= 1
-        safe = max(safe, self._sent_chars)
-        delta = Delta(self.token_ids[self._sent_tokens :], self.text[self._sent_chars : safe], self.finish_reason)
-        self._sent_tokens, self._sent_chars = len(self.token_ids), safe
+            safe = max(safe, self._sent_chars)
+            # Only a stop string can take ids back: without one, every id goes out at once.
+            tokens = self._covering(safe) if self.stop else len(self.token_ids)
+        delta = Delta(self.token_ids[self._sent_tokens : tokens], self.text[self._sent_chars : safe],
+                      self.finish_reason)
+        self._sent_tokens, self._sent_chars = tokens, safe
         return delta

@@ -16,25 +16,61 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
 
+# A long text is first tokenized up to this many characters per token of room.
+PROBE_CHARS_PER_TOKEN = 8
+
+
 @dataclass(frozen=True)
 class Limits:
     vocab_size: int
-    max_context: int          # the target's
+    max_context: int             # the target's
     default_max_new_tokens: int
-    default_gamma: int | None  # None: adaptive (see coordinator.gamma)
-    max_gamma: int             # the proposer's limit
-    gamma_max: int = 8         # adaptive γ ranges over [0, gamma_max]
-    seeded_gamma: int = 4      # adaptive γ follows timing, so seeded sampling keeps a fixed γ
+    default_gamma: int | None    # None: adaptive (see coordinator.gamma)
+    proposer_max_tokens: int     # the most tokens the proposer drafts in one call
+    gamma_max: int = 8           # adaptive γ ranges over [0, gamma_max]
+    seeded_gamma: int = 4        # adaptive γ follows timing, so seeded sampling keeps a fixed γ
+    max_token_chars: int = 1024  # the most characters one token of the tokenizer decodes to
 
 
-def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer, vocab_size: int) -> list[int]:
+def max_token_chars(tokenizer) -> int:
+    """An upper bound on the characters one token stands for: its vocabulary
+    string's length (byte-level BPE spells each byte as one character; SentencePiece
+    spells the text itself, or '<0xNN>' for a single byte)."""
+    return max(len(token) for token in tokenizer.get_vocab())
+
+
+def encode_within(tokenizer, text: str, room: int, limits: Limits, add_special_tokens: bool = True) -> list[int]:
+    """Tokenize `text`, refusing text that cannot fit in `room` tokens before paying
+    for the tokenization of all of it (a 3.5 MB prompt took 3.5 s to tokenize)."""
+    def refuse(at_least: int) -> InvalidArgument:
+        return InvalidArgument(
+            f"the prompt ({len(text):,} characters, at least {at_least:,} tokens) does not fit the {room:,} tokens "
+            f"the target's context window ({limits.max_context}) leaves after max_new_tokens; shorten the prompt "
+            "or lower max_new_tokens")
+    # 1. By its length alone: no token stands for more than max_token_chars characters.
+    if len(text) > room * limits.max_token_chars:
+        raise refuse(-(-len(text) // limits.max_token_chars))
+    # 2. A long text: tokenize a prefix first, cut before a space (where the
+    #    pre-tokenizer splits anyway, so the prefix has no more tokens than the whole).
+    probe = room * PROBE_CHARS_PER_TOKEN
+    if len(text) > 2 * probe:
+        cut = text.rfind(" ", 0, probe)
+        if cut > 0:
+            counted = len(tokenizer.encode(text[:cut], add_special_tokens=False))
+            if counted > room:
+                raise refuse(counted)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limits, room: int) -> list[int]:
+    """The prompt's token ids; `room` is how many tokens the context leaves for it."""
     kind = request.WhichOneof("input")
     if kind is None:
         raise InvalidArgument("set one of prompt, messages or token_ids")
     if kind == "prompt":
         if not request.prompt:
             raise InvalidArgument("prompt is empty")
-        ids = tokenizer.encode(request.prompt)
+        ids = encode_within(tokenizer, request.prompt, room, limits)
     elif kind == "messages":
         messages = request.messages.messages
         if not messages:
@@ -46,12 +82,12 @@ def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer, vocab_size: 
             raise InvalidArgument("the target model's tokenizer has no chat template; send prompt or token_ids")
         text = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
                                              tokenize=False, add_generation_prompt=True)
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = encode_within(tokenizer, text, room, limits, add_special_tokens=False)
     else:
         ids = list(request.token_ids.ids)
         if not ids:
             raise InvalidArgument("token_ids is empty")
-        validate_token_ids(ids, vocab_size, "token_ids")
+        validate_token_ids(ids, limits.vocab_size, "token_ids")
     if not ids:
         raise InvalidArgument("the prompt tokenizes to no tokens")
     return ids
@@ -60,10 +96,14 @@ def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer, vocab_size: 
 def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limits,
               speculation_available: bool) -> GenerationRequest:
     sampling = sampling_from_proto(request.sampling)
-    ids = prompt_ids(request, tokenizer, limits.vocab_size)
     max_new = request.max_new_tokens if request.HasField("max_new_tokens") else limits.default_max_new_tokens
     if max_new <= 0:
         raise InvalidArgument(f"max_new_tokens must be > 0, got {max_new}")
+    if max_new >= limits.max_context:
+        raise InvalidArgument(
+            f"max_new_tokens ({max_new}) exceeds the target's context window ({limits.max_context}), leaving "
+            "no room for a prompt; lower max_new_tokens")
+    ids = prompt_ids(request, tokenizer, limits, limits.max_context - max_new)
     if len(ids) + max_new > limits.max_context:
         raise InvalidArgument(
             f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the target's context window "
@@ -78,11 +118,12 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
         gamma = request.speculation.gamma or limits.default_gamma
         if gamma is None and sampling.seed is not None and not sampling.greedy:
             # γ chosen from timings would make a seeded sample depend on machine load.
-            gamma = min(limits.seeded_gamma, limits.max_gamma)
+            gamma = min(limits.seeded_gamma, limits.proposer_max_tokens)
         if gamma is None:
-            gamma, adaptive = min(limits.gamma_max, limits.max_gamma), True
-        if gamma > limits.max_gamma:
-            raise InvalidArgument(f"speculation.gamma={gamma} is over the proposer's limit of {limits.max_gamma}")
+            gamma, adaptive = min(limits.gamma_max, limits.proposer_max_tokens), True
+        if gamma > limits.proposer_max_tokens:
+            raise InvalidArgument(f"speculation.gamma={gamma} is over the proposer's limit of "
+                                  f"{limits.proposer_max_tokens}")
     confidence_stop = adaptive and (not request.speculation.HasField("confidence_stop")
                                     or request.speculation.confidence_stop)
     return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop, adaptive, request.ignore_eos,
@@ -118,7 +159,7 @@ def request_attributes(request: coordinator_pb2.GenerateRequest, domain: Generat
         "gen_ai.request.top_k": s.top_k, "gen_ai.request.max_tokens": domain.max_new_tokens,
         "gen_ai.usage.input_tokens": len(domain.prompt_ids),
         "specdec.draft_model": draft_model,
-        "specdec.gamma_mode": "off" if domain.gamma == 0 else "auto" if domain.adaptive else "fixed",
+        "specdec.gamma_mode": "off" if domain.gamma_max == 0 else "auto" if domain.adaptive else "fixed",
     }
     if s.seed is not None:
         attributes["gen_ai.request.seed"] = s.seed

@@ -13,7 +13,7 @@ from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
 from specdec import telemetry
-from specdec.errors import ResourceExhausted, Unavailable
+from specdec.errors import ResourceExhausted, Unavailable, unavailable_message
 from specdec.model_service import MAX_PROPOSE_TOKENS
 from specdec.ngram import NgramProposer
 from specdec.proposer import Proposer, ProposerUnavailable
@@ -25,7 +25,7 @@ from coordinator.backends import Backends, WatchSettings
 from coordinator.clients import RemoteDraftProposer
 from coordinator.engine import SpeculativeEngine
 from coordinator.metrics import Metrics
-from coordinator.requests import Limits, request_attributes, response_attributes, to_domain, update_to_proto
+from coordinator.requests import Limits, max_token_chars, request_attributes, response_attributes, to_domain, update_to_proto
 
 log = logging.getLogger("coordinator")
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -67,11 +67,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.backends = backends
         self.config = config
         target, draft = backends.target_info, backends.draft_info
-        max_gamma = MAX_PROPOSE_TOKENS if config.proposer == "ngram" else (draft.max_propose_tokens if draft else 0)
+        proposer_max = MAX_PROPOSE_TOKENS if config.proposer == "ngram" else (draft.max_propose_tokens if draft else 0)
         self.limits = Limits(
             vocab_size=target.vocab_size, max_context=target.max_context,
-            default_max_new_tokens=config.max_new_tokens, default_gamma=config.gamma or None, max_gamma=max_gamma,
-            gamma_max=config.gamma_max)
+            default_max_new_tokens=config.max_new_tokens, default_gamma=config.gamma or None,
+            proposer_max_tokens=proposer_max, gamma_max=config.gamma_max,
+            max_token_chars=max_token_chars(backends.tokenizer))
         self.metrics = Metrics()
         self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids),
                                         self.metrics, on_proposer_failure=self._proposer_failed)
@@ -83,13 +84,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 gauge.set(1)
                 watch.on_change(lambda up, gauge=gauge: gauge.set(int(up)))
 
-    def _proposer(self, timeout) -> Proposer | None:
+    def _proposer(self, timeout) -> tuple[Proposer | None, str]:
+        """The request's proposer, or None and why not."""
         if self.config.proposer == "ngram":
-            return NgramProposer(self.limits.vocab_size)
+            return NgramProposer(self.limits.vocab_size), ""
         if not self.backends.drafter_up:
-            return None  # drafter down: decode target-only until the watcher finds it again
+            # Decode target-only until the watcher finds the drafter again.
+            self.metrics.fallbacks.inc()
+            return None, (f"{unavailable_message('drafter')}: it was down when this request started, so the "
+                          "request went target-only (same output, slower)")
         return RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint, timeout,
-                                   self.config.drafter_timeout_s)
+                                   self.config.drafter_timeout_s), ""
 
     def _proposer_failed(self, exc: ProposerUnavailable) -> None:
         # Stop using it until the watcher has checked it again.
@@ -101,8 +106,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         verifier = self.backends.verifier_watch
         if not verifier.up:
             self.metrics.rejected.labels("verifier_down").inc()
-            raise Unavailable(f"the verifier at {verifier.client.address} is unavailable ({verifier.reason}); "
-                              "the coordinator reconnects on its own, retry shortly")
+            log.info("refused a request: the verifier at %s is down (%s)", verifier.client.address, verifier.reason)
+            raise Unavailable(unavailable_message("verifier"))
         with self._idle:
             if self._in_flight >= self.config.max_sessions:
                 self.metrics.rejected.labels("max_sessions").inc()
@@ -130,7 +135,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         # One trace per Generate, rooted here (or under the client's span if it sent W3C context).
         parent = propagate.extract({k: v for k, v in context.invocation_metadata() if isinstance(v, str)})
         with telemetry.tracer.start_as_current_span("generate", context=parent, kind=SpanKind.SERVER) as span:
-            domain = to_domain(request, self.backends.tokenizer, self.limits, self.limits.max_gamma > 0)
+            domain = to_domain(request, self.backends.tokenizer, self.limits, self.limits.proposer_max_tokens > 0)
             span.set_attributes(request_attributes(request, domain, self.backends.target_info.model,
                                                    self.backends.draft_info.model if self.backends.draft_info else ""))
 
@@ -140,9 +145,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     return None
                 return remaining
             request_id = uuid.uuid4().hex
-            proposer = self._proposer(timeout) if domain.gamma > 0 else None
+            proposer, fallback = self._proposer(timeout) if domain.gamma_max > 0 else (None, "")
             last = None
-            for last in self.engine.generate(domain, proposer, timeout, lambda: not context.is_active(), request_id):
+            for last in self.engine.generate(domain, proposer, timeout, lambda: not context.is_active(), request_id,
+                                             fallback):
                 yield last
             span.set_attributes(response_attributes(last))
             self._log(request_id, request, domain, last)

@@ -28,20 +28,46 @@ class DraftSession:
         self.round_drafted = 0           # tokens drafted in it, not yet committed
         self.generator: torch.Generator | None = None
 
-    def commit(self, commit: Commit | None) -> None:
+    def snapshot(self) -> tuple:
+        return (self.seq.snapshot(), self.round_base, self.round_drafted,
+                None if self.generator is None else self.generator.get_state())
+
+    def restore(self, state: tuple) -> None:
+        """Undo a call that failed: the session is exactly as it was before it."""
+        tokens, self.round_base, self.round_drafted, rng = state
+        self.seq.restore(tokens)
+        if rng is None:
+            self.generator = None
+        else:
+            self.generator.set_state(rng)
+
+    def length_after(self, commit: Commit | None) -> int:
+        """The session's length once `commit` is applied; raises if it cannot be."""
         if commit is None:
             if self.round_drafted:
                 raise FailedPrecondition(
                     "Propose needs the commit of the previous round (num_accepted, target_token_ids)")
-            return
+            return len(self.seq)
         if commit.num_accepted > self.round_drafted:
             raise InvalidArgument(
                 f"commit.num_accepted={commit.num_accepted} but only {self.round_drafted} tokens were drafted")
+        return self.round_base + commit.num_accepted + len(commit.target_token_ids)
+
+    def commit(self, commit: Commit | None) -> None:
+        self.length_after(commit)  # checks it
+        if commit is None:
+            return
         # KV rollback: drop the rejected drafts. After a fully accepted round the
         # last draft was never fed, so it stays in `tokens` and is fed next forward.
         self.seq.truncate(self.round_base + commit.num_accepted)
         self.seq.append(commit.target_token_ids)
         self.round_base, self.round_drafted = len(self.seq), 0
+
+    def check_room(self, length: int, num_tokens: int) -> None:
+        if length + num_tokens > self.loaded.max_context:
+            raise InvalidArgument(
+                f"drafting {num_tokens} tokens at position {length} exceeds the draft model's "
+                f"context window ({self.loaded.max_context})")
 
     def propose(self, num_tokens: int, sampling: SamplingConfig,
                 min_confidence: float = 0.0) -> Draft:
@@ -52,10 +78,7 @@ class DraftSession:
         Drafting stops after a token whose probability is below `min_confidence`:
         where the draft is unsure, the tokens after it are likely rejected. The
         rule only shortens the draft, so the verifier's output is unchanged."""
-        if len(self.seq) + num_tokens > self.loaded.max_context:
-            raise InvalidArgument(
-                f"drafting {num_tokens} tokens at position {len(self.seq)} exceeds the draft model's "
-                f"context window ({self.loaded.max_context})")
+        self.check_room(len(self.seq), num_tokens)
         if self.generator is None and not sampling.greedy:
             self.generator = make_generator(sampling, "drafter", self.loaded.device)
         self.round_base = len(self.seq)

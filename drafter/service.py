@@ -28,11 +28,12 @@ class DrafterServicer(ModelServiceBase[DraftSession], drafter_pb2_grpc.DrafterSe
                   if request.HasField("commit") else None)
         if commit is not None:
             validate_token_ids(commit.target_token_ids, self.loaded.vocab_size, "commit.target_token_ids")
-        with self.sessions.use(request.session_id) as session:
+        with self.session(request.session_id) as session:
+            session.check_room(session.length_after(commit), request.num_tokens)  # before anything changes
             session.commit(commit)
             draft = session.propose(request.num_tokens, sampling, request.min_confidence)
         return drafter_pb2.ProposeResponse(
-            draft_token_ids=draft.token_ids, vocab_size=self.loaded.vocab_size,
+            draft_token_ids=draft.token_ids,
             draft_probs_fp16=encode_probs(draft.draft_probs) if draft.draft_probs is not None else b"",
             draft_confidences=draft.confidences)
 

@@ -50,11 +50,37 @@ class Cancelled(SpecdecError):
 
 
 class RemoteError(SpecdecError):
-    """A downstream service's failure, with its status code kept."""
+    """A downstream service's failure, with its status code kept and a message fit
+    for public clients (see `public_message`)."""
 
-    def __init__(self, service: str, exc: grpc.RpcError):
-        self.code = exc.code()
-        super().__init__(f"{service}: {exc.details() or exc.code().name}")
+    def __init__(self, code: grpc.StatusCode, message: str):
+        self.code = code
+        super().__init__(message)
+
+
+# Codes whose details come from gRPC's transport (they name addresses) or from a
+# crash, not from the service's own checks: public clients get a fixed text.
+TRANSPORT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                             grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+
+
+def unavailable_message(service: str) -> str:
+    """The one text a client sees when `service` is down, at the start or mid-stream."""
+    return f"the {service} is unavailable; retry shortly"
+
+
+def public_message(service: str, code: grpc.StatusCode, details: str) -> str:
+    """What a public client is told of a backend's failure: what failed and what to
+    do, never an internal address (those go to the log and the trace)."""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return unavailable_message(service)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"the deadline passed while the {service} was working; raise the client's timeout"
+    if code == grpc.StatusCode.CANCELLED:
+        return f"the call to the {service} was cancelled"
+    if code in TRANSPORT_CODES:
+        return f"the {service} failed ({code.name}); retry, and see the coordinator's log if it persists"
+    return f"the {service} refused the call: {details}"
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -76,8 +102,36 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> No
     context.abort(code, message)
 
 
+class _Malformed:
+    """What the deserializer hands on for bytes that do not parse, so the handler
+    can refuse them with INVALID_ARGUMENT (grpc would say INTERNAL)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _lenient(deserializer, method: str):
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError, upb sometimes others
+            return _Malformed(f"the request to {method} is not a valid protobuf message "
+                              f"({type(exc).__name__}: {exc}); check that the client was generated "
+                              "from the same protos (specdec.v1) and that string fields hold UTF-8")
+    return parse
+
+
+def _refuse_malformed(request) -> None:
+    if isinstance(request, _Malformed):
+        raise InvalidArgument(request.message)
+
+
 class StatusInterceptor(grpc.ServerInterceptor):
-    """Maps exceptions raised by any handler (unary or streaming) to a status."""
+    """Maps exceptions raised by any handler (unary or streaming) to a status,
+    and request bytes that do not parse to INVALID_ARGUMENT."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -88,6 +142,7 @@ class StatusInterceptor(grpc.ServerInterceptor):
         def wrap_unary(fn):
             def call(request, context):
                 try:
+                    _refuse_malformed(request)
                     return fn(request, context)
                 except Exception as exc:  # noqa: BLE001 - this is the mapping point
                     _abort(context, exc, method)
@@ -96,15 +151,17 @@ class StatusInterceptor(grpc.ServerInterceptor):
         def wrap_stream(fn):
             def call(request, context):
                 try:
+                    _refuse_malformed(request)
                     yield from fn(request, context)
                 except Exception as exc:  # noqa: BLE001
                     _abort(context, exc, method)
             return call
 
+        parse = _lenient(handler.request_deserializer, method)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+                wrap_unary(handler.unary_unary), parse, handler.response_serializer)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+                wrap_stream(handler.unary_stream), parse, handler.response_serializer)
         return handler

@@ -58,6 +58,22 @@ class SequenceCache:
         """Add tokens without running the model; the next forward feeds them."""
         self.tokens.extend(int(t) for t in ids)
 
+    def snapshot(self) -> tuple[int, ...]:
+        """What `restore` needs to undo any later append, truncate or forward."""
+        return tuple(self.tokens)
+
+    def restore(self, tokens: tuple[int, ...]) -> None:
+        """Back to the tokens of a snapshot. The cache keeps what still matches them
+        (a failed call that only appended keeps its whole cache); anything past the
+        first difference is cropped and fed again on the next forward."""
+        same = 0
+        limit = min(len(tokens), len(self.tokens), self.cached)
+        while same < limit and tokens[same] == self.tokens[same]:
+            same += 1
+        self.tokens = list(tokens)
+        if self.cached > same:
+            self.cache.crop(-(self.cached - same))
+
     def truncate(self, length: int) -> None:
         """Keep `tokens[:length]`, cropping the cache past it (the KV rollback)."""
         assert 0 <= length <= len(self.tokens), (length, len(self.tokens))

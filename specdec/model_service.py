@@ -3,7 +3,8 @@ session lifecycle around a store with a TTL. Each service adds its own calls."""
 from __future__ import annotations
 
 import logging
-from typing import Callable, Generic, Sequence, TypeVar
+from contextlib import contextmanager
+from typing import Callable, Generic, Iterator, Protocol, Sequence, TypeVar
 
 from specdec.errors import InvalidArgument
 from specdec.models import LoadedModel, warm_up
@@ -14,7 +15,15 @@ from specdec.tokenizer_fingerprint import tokenizer_files
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
-S = TypeVar("S")
+
+
+class Transactional(Protocol):
+    """A session whose calls can be undone: what `ModelServiceBase.session` needs."""
+    def snapshot(self) -> object: ...
+    def restore(self, state: object) -> None: ...
+
+
+S = TypeVar("S", bound=Transactional)
 MAX_PROPOSE_TOKENS = 32
 
 
@@ -60,6 +69,20 @@ class ModelServiceBase(Generic[S]):
         return common_pb2.StartSessionResponse(
             session_id=request.session_id, cached_tokens=session.seq.cached,
             tokenizer_fingerprint=self.loaded.fingerprint)
+
+    @contextmanager
+    def session(self, session_id: str) -> Iterator[S]:
+        """The session, held for one call. A call that fails leaves it exactly as
+        it was (tokens, KV cache, round state, random generator): the calls check
+        their input before changing anything, and this undoes whatever a failure
+        past the checks had changed."""
+        with self.sessions.use(session_id) as session:
+            state = session.snapshot()
+            try:
+                yield session
+            except BaseException:
+                session.restore(state)
+                raise
 
     def EndSession(self, request, context) -> common_pb2.EndSessionResponse:
         return common_pb2.EndSessionResponse(existed=self.sessions.remove(request.session_id))

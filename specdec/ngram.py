@@ -13,8 +13,6 @@ from specdec.wire import encode_probs
 
 
 class NgramProposer(Proposer):
-    name = "ngram"
-
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
         self.vocab_size = vocab_size
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -48,7 +46,7 @@ class NgramProposer(Proposer):
         # sampler accepts token x with probability target_probs[x] — still lossless.
         one_hot = torch.zeros(len(draft), self.vocab_size)
         one_hot[torch.arange(len(draft)), torch.tensor(draft)] = 1.0
-        return Proposal(tuple(draft), encode_probs(one_hot), self.vocab_size)
+        return Proposal(tuple(draft), encode_probs(one_hot))
 
     def end(self) -> None:
         self.tokens = []

@@ -37,14 +37,23 @@ class Proposal:
     # [n, vocab] float16 little-endian bytes when temperature > 0: the exact
     # distributions the tokens were sampled from (see specdec.wire).
     draft_probs_fp16: bytes = b""
-    vocab_size: int = 0
     confidences: tuple[float, ...] = ()        # [n] when the proposer has them
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The rejection sampler's outcome for one proposal, as the coordinator sees it."""
+    num_accepted: int     # draft tokens kept, a prefix of the proposal
+    next_token_id: int    # the target's own token after them: recovered, or bonus when all were accepted
+    bonus: bool
+
+    @property
+    def recovered(self) -> bool:
+        return not self.bonus
 
 
 class Proposer(abc.ABC):
     """Proposes draft tokens for one generation (one session)."""
-
-    name: str = "proposer"
 
     @abc.abstractmethod
     def start(self, session_id: str, prompt_ids: Sequence[int]) -> None: ...

@@ -58,7 +58,20 @@ def decode_probs(data: bytes, n: int, vocab_size: int) -> torch.Tensor:
         raise InvalidArgument("draft_probs_fp16 contains NaN or infinity")
     if (probs < 0).any():
         raise InvalidArgument("draft_probs_fp16 contains negative probabilities")
-    sums = probs.sum(dim=-1, keepdim=True)
-    if (sums <= 0).any():
-        raise InvalidArgument("draft_probs_fp16 has a row that sums to zero")
-    return probs / sums
+    sums = probs.sum(dim=-1, keepdim=True, dtype=torch.float64)
+    off = (sums - 1.0).abs()
+    tolerance = fp16_sum_tolerance(vocab_size)
+    if (off > tolerance).any():
+        row = int(off.argmax())
+        raise InvalidArgument(
+            f"draft_probs_fp16 row {row} sums to {float(sums[row]):.6g}; each row must be a probability "
+            f"distribution summing to 1 (within {tolerance:.2g}, what fp16 rounding allows)")
+    return (probs / sums).float()
+
+
+def fp16_sum_tolerance(vocab_size: int) -> float:
+    """How far from 1 an fp16-rounded distribution may sum: every entry rounds by at
+    most half an ulp, relatively 2^-11 for normal values (2^-11 of the sum, in all)
+    and absolutely 2^-25 below fp16's smallest normal (each of the vocab_size
+    entries). Doubled for the float32 renormalization before rounding."""
+    return 2 * (2.0 ** -11 + vocab_size * 2.0 ** -25)

@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import launcher
+from specdec.errors import unavailable_message
 from specdec.serving import channel
 from specdec.v1 import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc
 from tests.conftest import served_coordinator, free_port, rpc_error, wait_for
@@ -80,11 +81,13 @@ def test_drafter_killed_mid_request_finishes_target_only_and_exact(models):
             received += message.token_ids
             final = message
         assert received == reference
-        assert final.stats.draft_tokens > 0 and "drafter at" in final.stats.fallback
+        assert final.stats.draft_tokens > 0 and "drafter became unavailable" in final.stats.fallback
+        assert draft.address not in final.stats.fallback and "127.0.0.1" not in final.stats.fallback
         assert wait_for(lambda: not backends.drafter_up, 10)
-        # While the drafter is down, new requests decode target-only at once.
+        # While the drafter is down, new requests decode target-only at once, and say why.
         down = stub.Generate(long_request(), timeout=60)
         assert list(down.token_ids) == reference and down.stats.draft_tokens == 0
+        assert "was down when this request started" in down.stats.fallback
         # It comes back: the watcher reconnects, checks the tokenizer again, speculation resumes.
         draft.start()
         assert wait_for(lambda: backends.drafter_up, 20)
@@ -137,13 +140,14 @@ def test_verifier_killed_fails_fast_with_unavailable_and_recovers(models):
             for _ in stream:
                 pass
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
-        assert "verifier" in failed.value.details()
+        # Public messages say what failed and what to do, never where the verifier is.
+        assert failed.value.details() == unavailable_message("verifier")
         assert time.monotonic() - started < 5, "the in-flight request must fail, not hang"
         # New requests fail fast while it is down, and the coordinator reports NOT_SERVING.
         assert wait_for(lambda: not backends.verifier_watch.up, 10)
         started = time.monotonic()
         error = rpc_error(stub.Generate, long_request(), timeout=30)
-        assert error.code() == grpc.StatusCode.UNAVAILABLE and "retry shortly" in error.details()
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and error.details() == unavailable_message("verifier")
         assert time.monotonic() - started < 1.0
         assert draft.active_sessions() == 0  # the failed request's draft session was ended
         # It comes back on its port: no coordinator restart needed.

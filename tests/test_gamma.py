@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from coordinator.rounds import RoundRecord
 from coordinator.gamma import Acceptance, Calibration, EwLinearFit, GammaController, GammaPriors, regime
 from specdec.sampling import SamplingConfig
 
@@ -38,9 +39,13 @@ class Stream:
             while accepted < g and self.rng.random() < self.alpha:
                 accepted += 1
             jitter = lambda: 1 + self.rng.uniform(-self.noise, self.noise)  # noqa: E731
-            controller.observe(g, accepted, draft_ms(g) * jitter() if g else 0.0, verify_ms(g) * jitter())
+            controller.observe(round_record(g, accepted, draft_ms(g) * jitter() if g else 0.0, verify_ms(g) * jitter()))
             gammas.append(g)
         return gammas
+
+
+def round_record(gamma: int, accepted: int, draft_ms: float, verify_ms: float) -> RoundRecord:
+    return RoundRecord(0, gamma, gamma, accepted, accepted == gamma, draft_ms, verify_ms, new_tokens=accepted + 1)
 
 
 def true_goodput(alpha: float, g: int) -> float:
@@ -146,7 +151,7 @@ def test_required_acceptance_weighs_the_cost_of_one_more_draft_token():
             accepted = 0
             while accepted < g and rng.random() < 0.75:
                 accepted += 1
-            controller.observe(g, accepted, 2.0 + per_token * g if g else 0.0, verify_ms(g))
+            controller.observe(round_record(g, accepted, 2.0 + per_token * g if g else 0.0, verify_ms(g)))
     for controller in (cheap, dear):
         _, draft_slope = controller.state.cost.draft.coefficients()
         _, verify_slope = controller.state.cost.verify.coefficients()

@@ -31,7 +31,51 @@ def test_stop_string_across_rounds_is_never_half_shown():
     second = out.add(ids("OP and more"))
     assert second.finish_reason == FinishReason.STOP
     assert first.text + second.text == "Hello "
-    assert "STOP" in TOK.decode(out.token_ids) and "more" not in TOK.decode(out.token_ids)
+    # The ids cover the text and nothing wholly inside the stop string.
+    assert TOK.decode(out.token_ids) == "Hello "
+    assert first.token_ids + second.token_ids == out.token_ids
+
+
+def covers(token_ids: list[int], text: str) -> bool:
+    """The rule: the fewest tokens whose decoded text covers `text`."""
+    decoded = TOK.decode(token_ids)
+    return decoded.startswith(text) and (not token_ids or len(TOK.decode(token_ids[:-1])) < len(text))
+
+
+def test_a_stop_string_in_the_first_token_leaves_no_text_and_no_ids():
+    first = TOK.encode(" v")
+    assert len(first) == 1  # the probe's case: one token that is the stop string
+    out = OutputAccumulator(TOK, EOS, 100, stop=[" v"])
+    delta = out.add(first + ids(" more"))
+    assert delta.finish_reason == FinishReason.STOP and delta.text == "" and delta.token_ids == []
+
+
+def test_a_token_straddling_the_stop_string_is_kept_and_covers_the_text():
+    # Stop strings that begin inside a token, at every offset of a word.
+    text = "Hello world again"
+    tokens = ids(text)
+    for cut in range(1, len(text)):
+        stop = text[cut:]
+        out = OutputAccumulator(TOK, EOS, 100, stop=[stop])
+        delta = out.add(tokens)
+        assert delta.finish_reason == FinishReason.STOP and delta.text == text[:cut], stop
+        assert covers(delta.token_ids, delta.text), (stop, delta.token_ids)
+
+
+def test_streamed_ids_follow_the_text_they_cover():
+    text = "The quick brown fox jumps over the lazy dog"
+    tokens = ids(text)
+    for stop in ("lazy", "fox j", "e q", "dog"):
+        out = OutputAccumulator(TOK, EOS, 100, stop=[stop])
+        sent_text, sent_ids = "", []
+        for token in tokens:
+            delta = out.add([token])
+            sent_text += delta.text
+            sent_ids += delta.token_ids
+            assert covers(sent_ids, sent_text), (stop, sent_text, sent_ids)  # after every message
+            if delta.finish_reason is not None:
+                break
+        assert sent_text == text[:text.index(stop)] and covers(sent_ids, sent_text), stop
 
 
 def test_deltas_concatenate_to_the_whole_text():

@@ -81,8 +81,20 @@ def test_wire_probs_are_exactly_what_the_drafter_sampled_from():
     (b"\x00" * 10, "bytes"),
     (torch.full((2, 5), float("nan")).half().numpy().tobytes(), "NaN"),
     (torch.full((2, 5), -0.2).half().numpy().tobytes(), "negative"),
-    (torch.zeros(2, 5).half().numpy().tobytes(), "sums to zero"),
+    (torch.zeros(2, 5).half().numpy().tobytes(), "row 0 sums to 0; each row must be a probability"),
+    (torch.ones(2, 5).half().numpy().tobytes(), "row 0 sums to 5;"),
+    (torch.tensor([[0.2] * 5, [0.2, 0.2, 0.2, 0.2, 0.21]]).half().numpy().tobytes(), "row 1 sums to 1.009"),
 ])
 def test_bad_draft_probs_are_refused(data, message):
+    """Rows must be distributions: a sum off by more than fp16 rounding is refused."""
     with pytest.raises(InvalidArgument, match=message):
         decode_probs(data, 2, 5)
+
+
+def test_fp16_rounding_of_a_large_vocabulary_stays_within_the_tolerance():
+    generator = torch.Generator().manual_seed(0)
+    for scale in (0.5, 4.0, 30.0):  # flat to very peaked: many entries round to zero or subnormals
+        logits = torch.randn(4, 151_936, generator=generator) * scale
+        probs = torch.softmax(logits, dim=-1)
+        received = decode_probs(encode_probs(probs), 4, 151_936)
+        assert torch.allclose(received.sum(dim=-1), torch.ones(4), atol=1e-5)

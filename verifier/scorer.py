@@ -18,6 +18,18 @@ class TargetSession:
         self.seq.prefill()
         self.generator: torch.Generator | None = None
 
+    def snapshot(self) -> tuple:
+        return self.seq.snapshot(), None if self.generator is None else self.generator.get_state()
+
+    def restore(self, state: tuple) -> None:
+        """Undo a call that failed: the session is exactly as it was before it."""
+        tokens, rng = state
+        self.seq.restore(tokens)
+        if rng is None:
+            self.generator = None
+        else:
+            self.generator.set_state(rng)
+
     def _generator(self, sampling: SamplingConfig) -> torch.Generator:
         if self.generator is None:
             self.generator = make_generator(sampling, "verifier", self.loaded.device)

@@ -29,7 +29,7 @@ class VerifierServicer(ModelServiceBase[TargetSession], verifier_pb2_grpc.Verifi
             draft_probs = decode_probs(request.draft_probs_fp16, len(draft), self.loaded.vocab_size)
         elif request.draft_probs_fp16:
             raise InvalidArgument("draft_probs_fp16 must be empty when temperature is 0 (greedy)")
-        with self.sessions.use(request.session_id) as session:
+        with self.session(request.session_id) as session:
             out = session.verify(draft, draft_probs, sampling)
         return verifier_pb2.VerifyResponse(num_accepted=out.num_accepted, next_token_id=out.next_token_id,
                                            bonus=out.bonus)
@@ -38,7 +38,7 @@ class VerifierServicer(ModelServiceBase[TargetSession], verifier_pb2_grpc.Verifi
         if not 0 < request.num_tokens <= MAX_DECODE_TOKENS:
             raise InvalidArgument(f"num_tokens must be in 1..{MAX_DECODE_TOKENS}, got {request.num_tokens}")
         sampling = sampling_from_proto(request.sampling)
-        with self.sessions.use(request.session_id) as session:
+        with self.session(request.session_id) as session:
             tokens = session.decode(request.num_tokens, sampling)
         return verifier_pb2.DecodeResponse(token_ids=tokens)
 

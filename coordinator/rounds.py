@@ -1,0 +1,37 @@
+"""One record per round. The loop writes it once; `Stats`, `Metrics`, the γ
+controller and the round's span all read the same record, so what a round
+drafted and had accepted is counted in one place."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    index: int                  # 0-based, within the request
+    gamma: int                  # draft tokens asked for (0: a target-only step)
+    drafted: int                # draft tokens proposed: a proposer may stop short of gamma
+    accepted: int               # of them, kept by the rejection sampler
+    bonus: bool                 # every draft accepted, and the target added one more
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    min_confidence: float = 0.0             # the drafter stopped after a token below this
+    confidences: tuple[float, ...] = ()     # [drafted] what the draft gave each of its tokens
+    new_tokens: int = 1                     # tokens the round added to the output (accepted + 1; or a decode chunk)
+
+    @property
+    def accepted_by_position(self) -> list[bool]:
+        """[drafted]: was the draft at each position accepted."""
+        return [position < self.accepted for position in range(self.drafted)]
+
+    @property
+    def first_rejected_position(self) -> int:
+        """-1 when nothing was rejected (all accepted, or nothing drafted)."""
+        return self.accepted if self.accepted < self.drafted else -1
+
+    def span_attributes(self) -> dict:
+        return {"specdec.round.index": self.index, "specdec.gamma": self.gamma,
+                "specdec.draft_tokens": self.drafted, "specdec.accepted_tokens": self.accepted,
+                "specdec.first_rejected_position": self.first_rejected_position, "specdec.bonus": self.bonus,
+                "specdec.draft_ms": self.draft_ms, "specdec.verify_ms": self.verify_ms,
+                "specdec.min_confidence": self.min_confidence}
