@@ -25,8 +25,9 @@ def parse_gamma(value: str) -> int | None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m coordinator", description="specdec coordinator (public API)")
-    parser.add_argument("--verifier", required=True, help="verifier address HOST:PORT")
-    parser.add_argument("--drafter", help="drafter address HOST:PORT (omit for target-only or n-gram serving)")
+    parser.add_argument("--verifier", required=True, help="verifier address: HOST:PORT, or unix:PATH (sidecar mode)")
+    parser.add_argument("--drafter", help="drafter address: HOST:PORT or unix:PATH (omit for target-only or n-gram "
+                        "serving)")
     parser.add_argument("--proposer", default="drafter", choices=["drafter", "ngram"],
                         help="who drafts: the drafter service, or prompt lookup (no draft model)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         log.error("refusing to start: %s", exc)
         print(f"coordinator: refusing to start: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
-    print(f"coordinator SERVING on {args.host}:{running.port}", flush=True)
+    print(f"coordinator SERVING on {running.address}", flush=True)
     run_until_signal(running, grace_s=args.grace_period, on_stop=backends.close)
 
 

@@ -91,8 +91,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if not self.backends.drafter_up:
             # Decode target-only until the watcher finds the drafter again.
             self.metrics.fallbacks.inc()
-            return None, (f"{unavailable_message('drafter')}: it was down when this request started, so the "
-                          "request went target-only (same output, slower)")
+            return None, ("the drafter was down when this request started; it went target-only (same output, "
+                          "slower)")
         return RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint, timeout,
                                    self.config.drafter_timeout_s), ""
 

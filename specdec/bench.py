@@ -383,11 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     say = lambda message: print(f"bench: {message}", file=sys.stderr, flush=True)  # noqa: E731
     launcher.pull_models([pair.draft, pair.target], say=say)
     options = launcher.StackOptions.for_pair(pair, port=0, threads=args.threads)
-    children: list[launcher.Child] = []
+    stack = launcher.Stack(options)
     started = time.perf_counter()
     try:
         say(f"starting the {args.pair} services")
-        coordinator = launcher.launch(options, children)
+        coordinator = stack.launch()
         services = ServiceSystems(coordinator.address, args.max_new_tokens)
         target = load_model(pair.target, dtype=pair.target_dtype)
         in_process = None
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"({run.tokens_per_second:.2f} tok/s)")
         services.close()
     finally:
-        launcher.stop(children)
+        stack.stop()
     rows = summarize(runs, systems)
     picks = best_gamma(rows)
     tasks = sorted({task_of(q.category) for q in questions})

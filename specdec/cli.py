@@ -24,33 +24,35 @@ def cmd_up(args: argparse.Namespace) -> int:
         pair, draft_model=args.draft_model, target_model=args.target_model, draft_quantize=args.draft_quantize,
         head_vocab=args.head_vocab, device=args.device, host=args.host, port=args.port, gamma=args.gamma,
         gamma_max=args.gamma_max, trace_file=args.trace_file, ready_timeout_s=args.ready_timeout,
-        coordinator_args=coordinator_passthrough(args))
-    children: list[launcher.Child] = []
+        model_transport=args.model_transport, coordinator_args=coordinator_passthrough(args))
+
+    def say(message: str, error: bool = False) -> None:
+        print(f"specdec up: {message}", file=sys.stderr if error else sys.stdout, flush=True)
+    stack = launcher.Stack(options)
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     try:
-        launcher.pull_models([options.draft_model, options.target_model],
-                             say=lambda message: print(f"specdec up: {message}", flush=True))
-        coordinator = launcher.launch(options, children)
-        print(f"specdec up: coordinator on {coordinator.address} (draft {options.draft_model}, "
-              f"target {options.target_model}); Ctrl-C stops all three", flush=True)
+        launcher.pull_models([options.draft_model, options.target_model], say=say)
+        coordinator = stack.launch()
+        say(f"coordinator on {coordinator.address} (draft {options.draft_model}, target {options.target_model}); "
+            "Ctrl-C stops all three")
+        say(f"drafter on {stack.child('drafter').address}, verifier on {stack.child('verifier').address}")
+        # Like a process manager: a child that exits is restarted; only a signal stops the stack.
+        supervisor = launcher.Supervisor(stack.children, lambda message: say(message, error=True))
         while not stopping.wait(0.5):
-            exited = next((c for c in children if c.process.poll() is not None), None)
-            if exited:
-                print(f"specdec up: {exited.name} exited with code {exited.process.returncode}; stopping",
-                      file=sys.stderr, flush=True)
-                return 1
+            supervisor.poll()
         return 0
     except (launcher.LaunchError, SpecdecError) as exc:
-        print(f"specdec up: {exc}", file=sys.stderr, flush=True)
+        say(str(exc), error=True)
         return 2
     finally:
-        launcher.stop(children)
+        stack.stop()
 
 
 # `specdec up` options handed to the coordinator as they are.
-PASSTHROUGH = ("max_sessions", "auth_token_env", "auth_token_file", "tls_cert", "tls_key", "tls_client_ca")
+PASSTHROUGH = ("max_sessions", "auth_token_env", "auth_token_file", "tls_cert", "tls_key", "tls_client_ca",
+               "metrics_port", "drafter_timeout", "max_message_bytes", "health_port")
 
 
 def coordinator_passthrough(args: argparse.Namespace) -> tuple[str, ...]:
@@ -171,6 +173,14 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--tls-cert", help="coordinator: serve TLS with this certificate")
     up.add_argument("--tls-key", help="coordinator: ... and key")
     up.add_argument("--tls-client-ca", help="coordinator: require client certificates from this CA (mTLS)")
+    up.add_argument("--metrics-port", type=int, help="coordinator: Prometheus metrics on this port")
+    up.add_argument("--drafter-timeout", type=float,
+                    help="coordinator: seconds a drafter call may take before the request goes on without it")
+    up.add_argument("--max-message-bytes", type=int, help="coordinator: largest request or response")
+    up.add_argument("--health-port", type=int, help="coordinator: grpc.health.v1 alone on this port")
+    up.add_argument("--model-transport", choices=["uds", "tcp"], default="uds",
+                    help="how the coordinator reaches the drafter and verifier: Unix sockets in a private "
+                         "directory (default: only this user can call them), or loopback TCP ports")
     up.set_defaults(func=cmd_up)
 
     gen = sub.add_parser("generate", help="call Generate on a running coordinator")

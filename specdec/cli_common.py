@@ -48,6 +48,9 @@ def add_model_args(parser: argparse.ArgumentParser, default_quantize: str) -> No
     parser.add_argument("--model", required=True, help="HF model directory, .gguf file, or registry name")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback, sidecar mode)")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--uds", metavar="PATH",
+                        help="serve on this Unix domain socket instead of HOST:PORT (sidecar mode): only who can "
+                             "enter its directory (made 0700 if missing) can call the service")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--quantize", default=default_quantize, choices=["none", "int8"])
@@ -75,11 +78,11 @@ def run_model_service(name: str, args: argparse.Namespace,
         loaded: LoadedModel = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
                                         head_vocab=args.head_vocab)
         running = serve(loaded, host=args.host, port=args.port, session_ttl_s=args.session_ttl,
-                        max_sessions=args.max_sessions, tls=tls)
+                        max_sessions=args.max_sessions, tls=tls, uds=args.uds)
         start_health(running, args)
     except (SpecdecError, ValueError, OSError) as exc:
         log.error("%s", exc)
         sys.exit(2)
     # One parseable line, for `specdec up` and for people.
-    print(f"{name} SERVING on {args.host}:{running.port} model={loaded.name}", flush=True)
+    print(f"{name} SERVING on {running.address} model={loaded.name}", flush=True)
     run_until_signal(running, grace_s=args.grace_period)

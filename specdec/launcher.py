@@ -1,15 +1,25 @@
-"""Start the three services as child processes on loopback, as `specdec up` and
-`specdec bench` both need: pull the models, start drafter and verifier at once,
-wait for their SERVING lines, then start the coordinator against them."""
+"""Start the three services as child processes, as `specdec up` and `specdec bench`
+both need: pull the models, start drafter and verifier at once, wait for their
+SERVING lines, then start the coordinator against them; then supervise them.
+
+Sidecar mode: the drafter and the verifier serve Unix domain sockets in a
+private directory (0700), so only this user reaches them and a round's two RPCs
+skip TCP; `model_transport="tcp"` serves them on loopback ports instead.
+A child that exits is restarted with backoff at the same address (`Supervisor`),
+like a process manager: the coordinator goes on target-only while the drafter is
+away, and answers UNAVAILABLE while the verifier is."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from specdec import registry
 from specdec.models import Pair
@@ -18,9 +28,38 @@ from specdec.models import Pair
 @dataclass
 class Child:
     name: str
-    process: subprocess.Popen
+    module: str
+    args: list[str]
+    process: subprocess.Popen | None = None
     address: str = ""
     serving: threading.Event = field(default_factory=threading.Event)
+    started_at: float = 0.0
+    restarts: int = 0
+
+    def start(self) -> "Child":
+        """(Re)start `python -m module`; `wait_serving` waits for its 'NAME SERVING on ADDRESS' line."""
+        # Few malloc arenas: glibc otherwise keeps one per busy thread (gRPC workers),
+        # and freed KV caches linger in them as RSS.
+        env = {"MALLOC_ARENA_MAX": "2", **os.environ}
+        self.serving = threading.Event()
+        self.process = process = subprocess.Popen([sys.executable, "-u", "-m", self.module, *self.args],
+                                                  stdout=subprocess.PIPE, text=True, env=env)
+        self.started_at = time.monotonic()
+        serving = self.serving
+
+        def read() -> None:
+            for line in process.stdout:  # keep draining, so a chatty child never blocks
+                if not serving.is_set() and " SERVING on " in line:
+                    self.address = line.split(" SERVING on ", 1)[1].split()[0]
+                    serving.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        return self
+
+    def pin_address(self) -> None:
+        """A restart must come back where its clients look: the port it got, not port 0."""
+        if "--port" in self.args and not self.address.startswith("unix:"):
+            self.args[self.args.index("--port") + 1] = self.address.rsplit(":", 1)[1]
 
 
 class LaunchError(RuntimeError):
@@ -28,22 +67,7 @@ class LaunchError(RuntimeError):
 
 
 def spawn(name: str, module: str, args: list[str]) -> Child:
-    """Start `python -m module`; `wait_serving` waits for its 'NAME SERVING on HOST:PORT' line."""
-    # Few malloc arenas: glibc otherwise keeps one per busy thread (gRPC workers),
-    # and freed KV caches linger in them as RSS.
-    env = {"MALLOC_ARENA_MAX": "2", **os.environ}
-    process = subprocess.Popen([sys.executable, "-u", "-m", module, *args], stdout=subprocess.PIPE, text=True,
-                               env=env)
-    child = Child(name, process)
-
-    def read() -> None:
-        for line in process.stdout:  # keep draining, so a chatty child never blocks
-            if not child.serving.is_set() and " SERVING on " in line:
-                child.address = line.split(" SERVING on ", 1)[1].split()[0]
-                child.serving.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    return child
+    return Child(name, module, list(args)).start()
 
 
 def wait_serving(child: Child, ready_timeout_s: float) -> Child:
@@ -54,6 +78,7 @@ def wait_serving(child: Child, ready_timeout_s: float) -> Child:
         if time.monotonic() > deadline:
             child.process.terminate()
             raise LaunchError(f"{child.name} not serving after {ready_timeout_s:.0f} s")
+    child.pin_address()
     return child
 
 
@@ -72,6 +97,53 @@ def stop(children: list[Child], grace_s: float = 30.0) -> None:
                 child.process.kill()
 
 
+@dataclass(frozen=True)
+class Backoff:
+    first_s: float = 0.5     # the first restart waits this long, each next one twice as long ...
+    max_s: float = 30.0      # ... up to this
+    healthy_s: float = 60.0  # a child that ran this long starts over at first_s
+
+    def delay(self, restarts: int) -> float:
+        return min(self.max_s, self.first_s * 2 ** restarts)
+
+
+class Supervisor:
+    """Restarts children that exit, with exponential backoff, at their addresses."""
+
+    def __init__(self, children: list[Child], say: Callable[[str], None], backoff: Backoff = Backoff()):
+        self.children = children
+        self.say = say
+        self.backoff = backoff
+        self._due: dict[str, float] = {}  # child name -> when to restart it
+        self._back: set[str] = set()      # restarted, not yet serving again
+
+    def poll(self) -> None:
+        """One look at every child: note exits, restart what is due, report comebacks."""
+        now = time.monotonic()
+        for child in self.children:
+            code = child.process.poll()
+            if code is None:
+                if child.name in self._back and child.serving.is_set():
+                    self._back.discard(child.name)
+                    self.say(f"{child.name} is back on {child.address} (pid {child.process.pid})")
+                continue
+            if child.name not in self._due:
+                if now - child.started_at >= self.backoff.healthy_s:
+                    child.restarts = 0
+                delay = self.backoff.delay(child.restarts)
+                self._due[child.name] = now + delay
+                consequence = {"drafter": "requests go on target-only meanwhile",
+                               "verifier": "requests get UNAVAILABLE meanwhile"}.get(child.name, "")
+                self.say(f"{child.name} (pid {child.process.pid}) exited with code {code}; restarting in "
+                         f"{delay:.1f} s{'; ' + consequence if consequence else ''}")
+            elif now >= self._due[child.name]:
+                del self._due[child.name]
+                child.restarts += 1
+                child.start()
+                self._back.add(child.name)
+                self.say(f"{child.name} restarted (pid {child.process.pid}, restart {child.restarts})")
+
+
 @dataclass
 class StackOptions:
     pair: Pair
@@ -87,6 +159,7 @@ class StackOptions:
     trace_file: str | None = None
     ready_timeout_s: float = 900.0
     threads: int = 0
+    model_transport: str = "uds"  # drafter and verifier on Unix sockets in a private directory, or "tcp" (loopback)
     coordinator_args: tuple[str, ...] = ()  # passed on as they are (auth, TLS, limits)
 
     @classmethod
@@ -104,21 +177,55 @@ def pull_models(names: list[str], say=print) -> None:
             registry.pull(name, on_step=say)
 
 
-def launch(options: StackOptions, children: list[Child]) -> Child:
-    """Start all three; appends to `children` as they start (so the caller can
-    stop them on any failure) and returns the serving coordinator."""
-    tracing = ["--trace-file", options.trace_file] if options.trace_file else []
-    common = ["--device", options.device, "--host", "127.0.0.1", "--port", "0", "--threads", str(options.threads),
-              *tracing]
-    # Both models load at once; the coordinator checks them once both serve.
-    children.append(spawn("drafter", "drafter", [
-        "--model", options.draft_model, "--dtype", options.pair.draft_dtype, "--quantize", options.draft_quantize,
-        "--head-vocab", str(options.head_vocab), *common]))
-    children.append(spawn("verifier", "verifier", [
-        "--model", options.target_model, "--dtype", options.pair.target_dtype, *common]))
-    drafter, verifier = (wait_serving(child, options.ready_timeout_s) for child in children[-2:])
-    children.append(spawn("coordinator", "coordinator", [
-        "--drafter", drafter.address, "--verifier", verifier.address, "--host", options.host,
-        "--port", str(options.port), "--gamma", str(options.gamma), "--gamma-max", str(options.gamma_max), *tracing,
-        *options.coordinator_args]))
-    return wait_serving(children[-1], options.ready_timeout_s)
+class SocketDir:
+    """A private (0700) directory for the model services' sockets, removed at the end."""
+
+    def __init__(self):
+        self.path = tempfile.mkdtemp(prefix="specdec-")  # mkdtemp makes it 0700
+
+    def socket(self, name: str) -> str:
+        return os.path.join(self.path, f"{name}.sock")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+class Stack:
+    """The three services of one `StackOptions`, their socket directory, and their end."""
+
+    def __init__(self, options: StackOptions):
+        self.options = options
+        self.children: list[Child] = []  # in start order, so a failed launch stops what did start
+        self.sockets = SocketDir() if options.model_transport == "uds" else None
+
+    def launch(self) -> Child:
+        """Start all three and return the serving coordinator."""
+        options = self.options
+        tracing = ["--trace-file", options.trace_file] if options.trace_file else []
+        common = ["--device", options.device, "--threads", str(options.threads), *tracing]
+        # Both models load at once; the coordinator checks them once both serve.
+        self.children.append(spawn("drafter", "drafter", [
+            "--model", options.draft_model, "--dtype", options.pair.draft_dtype, "--quantize",
+            options.draft_quantize, "--head-vocab", str(options.head_vocab), *self._listen("drafter"), *common]))
+        self.children.append(spawn("verifier", "verifier", [
+            "--model", options.target_model, "--dtype", options.pair.target_dtype, *self._listen("verifier"),
+            *common]))
+        drafter, verifier = (wait_serving(child, options.ready_timeout_s) for child in self.children)
+        self.children.append(spawn("coordinator", "coordinator", [
+            "--drafter", drafter.address, "--verifier", verifier.address, "--host", options.host,
+            "--port", str(options.port), "--gamma", str(options.gamma), "--gamma-max", str(options.gamma_max),
+            *tracing, *options.coordinator_args]))
+        return wait_serving(self.children[-1], options.ready_timeout_s)
+
+    def _listen(self, name: str) -> list[str]:
+        if self.sockets is not None:
+            return ["--uds", self.sockets.socket(name)]
+        return ["--host", "127.0.0.1", "--port", "0"]
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        stop(self.children, grace_s)
+        if self.sockets is not None:
+            self.sockets.remove()

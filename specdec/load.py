@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     tls = ClientTls(ca=args.tls_ca) if args.tls_ca else None
     token = load_token(env=args.auth_token_env)
+    stack: launcher.Stack | None = None
     children: list[launcher.Child] = []
     try:
         address = args.address
@@ -173,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
             options = launcher.StackOptions.for_pair(PAIRS[args.pair], port=0, threads=args.threads,
                                                      coordinator_args=tuple(extra))
             launcher.pull_models([options.draft_model, options.target_model])
-            address = launcher.launch(options, children).address
+            stack = launcher.Stack(options)
+            children = stack.children
+            address = stack.launch().address
         print(f"specdec load: warming up against {address}", flush=True)
         run_level(address, max(args.levels), max(args.levels), args, tls, token)
         rss = {"before": rss_mib(children)} if children else {}
@@ -193,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specdec load: {exc}", file=sys.stderr)
         return 2
     finally:
-        launcher.stop(children)
+        if stack is not None:
+            stack.stop()
     print()
     print_table(levels, rss)
     args.out.mkdir(parents=True, exist_ok=True)

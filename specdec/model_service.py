@@ -90,15 +90,16 @@ class ModelServiceBase(Generic[S]):
 
 def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, service_name: str,
                 loaded: LoadedModel, host: str = "127.0.0.1", port: int = 0, session_ttl_s: float = 600.0,
-                max_sessions: int = 256, tls: ServerTls | None = None) -> RunningServer:
+                max_sessions: int = 256, tls: ServerTls | None = None, uds: str | None = None) -> RunningServer:
     """Start a model service; it reports SERVING only once the model is warm."""
-    warn_if_exposed(service_name, host, tls)
+    warn_if_exposed(service_name, host, tls, uds)
     store = SessionStore(ttl_s=session_ttl_s, max_sessions=max_sessions)
     store.start_reaper()
     servicer = servicer_cls(loaded, session_cls, store)
     # A worker per session and a few spare, so health checks are answered under full load.
     running = start_server(lambda server: add_to_server(servicer, server), [service_name], host=host, port=port,
-                           max_workers=max_sessions + 8, tls=tls)
+                           max_workers=max_sessions + 8, tls=tls, uds=uds)
+    running.on_stop = store.close
     warm_up(loaded)
     running.set_serving(True)
     return running

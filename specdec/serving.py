@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec import telemetry
 from specdec.errors import StatusInterceptor
-from specdec.security import BearerToken, BearerTokenInterceptor, ClientTls, ServerTls
+from specdec.security import BearerToken, BearerTokenInterceptor, ClientTls, ServerTls, warn_if_token_in_clear
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +56,15 @@ def channel(address: str, tls: ClientTls | None = None, token: str | None = None
 class RunningServer:
     server: grpc.Server
     health: health.HealthServicer
-    port: int
+    port: int                       # the TCP port; 0 when serving on a Unix domain socket
     service_names: tuple[str, ...]
+    address: str = ""               # what clients dial: HOST:PORT, or unix:PATH
     metrics_port: int | None = None  # the coordinator's Prometheus endpoint, when on
     # Waits (up to the given seconds) for handlers still unwinding after the server stopped.
     drain: Callable[[float], bool] | None = None
     health_server: grpc.Server | None = None  # the health-only listener, when --health-port is set
     health_port: int | None = None
+    on_stop: Callable[[], None] | None = None  # after the server has stopped (a model service: drop its sessions)
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -77,9 +79,8 @@ class RunningServer:
         # Calls cut off at the grace period stop within a round; let them end their sessions.
         if self.drain is not None and not self.drain(10.0):
             log.warning("requests still running 10 s after the server stopped")
-
-    def wait(self) -> None:
-        self.server.wait_for_termination()
+        if self.on_stop is not None:
+            self.on_stop()
 
 
 def start_server(
@@ -92,13 +93,16 @@ def start_server(
     tls: ServerTls | None = None,
     auth_token: str | None = None,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    uds: str | None = None,
 ) -> RunningServer:
     """Start a server with the status interceptor, health (NOT_SERVING) and reflection.
 
     traced: a server span per call when tracing is on (the coordinator says no:
     its `generate` span is the root of each trace).
     max_workers: calls served at once; keep it above the session limit so that
-    health checks are answered while every session is busy."""
+    health checks are answered while every session is busy.
+    uds: serve on this Unix domain socket instead of HOST:PORT (sidecar mode: only
+    who can enter its directory can call; no TCP port at all)."""
     interceptors = [*(telemetry.server_interceptors() if traced else []), StatusInterceptor()]
     if auth_token is not None:
         interceptors.insert(0, BearerTokenInterceptor(auth_token))  # refused before any work or span
@@ -112,12 +116,14 @@ def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = tuple(service_names)
     reflection.enable_server_reflection(names + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    address = f"{host}:{port}"
+    warn_if_token_in_clear(host, tls, auth_token, uds)
+    address = f"unix:{uds}" if uds else f"{host}:{port}"
     bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+        raise OSError(f"cannot bind {address}")
     server.start()
-    running = RunningServer(server, health_servicer, bound, names)
+    running = RunningServer(server, health_servicer, 0 if uds else bound, names,
+                            address if uds else f"{host}:{bound}")
     running.set_serving(False)
     return running
 

@@ -96,3 +96,72 @@ def test_up_with_a_mismatched_pair_exits_and_names_the_difference():
     assert result.returncode == 2
     assert "id 0: draft '<|im_end|>' vs target '<|endoftext|>'" in result.stderr
     assert "coordinator exited with code 2" in result.stderr
+
+
+def service_pid(up_pid: int, module: str) -> int | None:
+    for pid in child_pids(up_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if alive(pid) and b"-m" in argv and argv[argv.index(b"-m") + 1] == module.encode():
+            return pid
+    return None
+
+
+@pytest.mark.integration
+def test_up_serves_the_models_on_private_sockets_and_restarts_what_dies(tmp_path):
+    import grpc
+    import psutil
+    import urllib.request
+    from specdec.v1 import coordinator_pb2 as pb, coordinator_pb2_grpc
+    from tests.conftest import wait_for
+
+    port, metrics_port = free_port(), free_port()
+    up = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--pair", "tiny", "--port", str(port),
+                           "--metrics-port", str(metrics_port), "--drafter-timeout", "5"],
+                          stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"), text=True, env=ENV)
+    request = pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=40, ignore_eos=True,
+                                 speculation=pb.Speculation(gamma=4))
+    try:
+        assert f"coordinator on 127.0.0.1:{port}" in up.stdout.readline()
+        models_line = up.stdout.readline()
+        addresses = dict(part.strip().split(" on ") for part in models_line.split(":", 1)[1].split(","))
+        sockets = {name: address.removeprefix("unix:") for name, address in addresses.items()}
+        assert set(sockets) == {"drafter", "verifier"} and all(a.startswith("unix:") for a in addresses.values())
+        directory = os.path.dirname(sockets["drafter"])
+        assert os.stat(directory).st_mode & 0o777 == 0o700  # only this user can reach the model services
+        for module in ("drafter", "verifier"):  # and they listen on no TCP port at all
+            listening = [c for c in psutil.Process(service_pid(up.pid, module)).net_connections("tcp")
+                         if c.status == psutil.CONN_LISTEN]
+            assert listening == [], (module, listening)
+        # --metrics-port reached the coordinator.
+        assert b"specdec_rounds" in urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            reference = list(stub.Generate(request, timeout=60).token_ids)
+
+            def generate() -> pb.GenerateResponse | None:
+                try:
+                    return stub.Generate(request, timeout=30)
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+                    return None
+            for module in ("drafter", "verifier"):
+                old = service_pid(up.pid, module)
+                os.kill(old, signal.SIGKILL)
+                # Restarted at the same socket; the stack serves on, and speculates again once it is back.
+                assert wait_for(lambda: service_pid(up.pid, module) not in (None, old), 30), module
+                assert wait_for(lambda: (r := generate()) is not None and r.stats.draft_tokens > 0
+                                and list(r.token_ids) == reference, 60), module
+                assert up.poll() is None
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(60)
+    err = (tmp_path / "stderr").read_text()
+    assert up.returncode == 0, err
+    for module in ("drafter", "verifier"):
+        assert f"specdec up: {module} (pid" in err and "exited with code -9; restarting in" in err
+        assert f"specdec up: {module} is back on unix:{sockets[module]}" in err
+    assert not os.path.exists(directory)

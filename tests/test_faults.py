@@ -87,7 +87,7 @@ def test_drafter_killed_mid_request_finishes_target_only_and_exact(models):
         # While the drafter is down, new requests decode target-only at once, and say why.
         down = stub.Generate(long_request(), timeout=60)
         assert list(down.token_ids) == reference and down.stats.draft_tokens == 0
-        assert "was down when this request started" in down.stats.fallback
+        assert "the drafter was down when this request started" in down.stats.fallback
         # It comes back: the watcher reconnects, checks the tokenizer again, speculation resumes.
         draft.start()
         assert wait_for(lambda: backends.drafter_up, 20)

@@ -1,9 +1,11 @@
 """GenerateRequest -> GenerationRequest: defaults and the speculation switch."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from coordinator.requests import Limits, max_token_chars, to_domain
+from coordinator.requests import PROBE_CHARS_PER_TOKEN, Limits, max_token_chars, to_domain
 from specdec import tiny
 from specdec.errors import InvalidArgument
 from specdec.v1 import coordinator_pb2 as pb
@@ -27,3 +29,44 @@ def test_speculation_can_be_switched_off_or_be_unavailable():
     assert to_domain(asked, TOK, LIMITS, speculation_available=False).gamma_max == 0
     with pytest.raises(InvalidArgument, match="over the proposer's limit of 32"):
         to_domain(asked, TOK, LIMITS, speculation_available=True)
+
+
+class CountingTokenizer:
+    """The tiny tokenizer, recording the length of every text it is asked to encode."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.encoded: list[int] = []
+
+    def encode(self, text, **kwargs):
+        self.encoded.append(len(text))
+        return self._tokenizer.encode(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized():
+    tokenizer = CountingTokenizer(TOK)
+    huge = "the cat sat on the mat. " * 150_000  # 3.6 MB, the probe's size
+    with pytest.raises(InvalidArgument, match="does not fit the 896 tokens"):
+        to_domain(pb.GenerateRequest(prompt=huge), tokenizer, LIMITS, speculation_available=True)
+    assert tokenizer.encoded == []  # by its length alone: 13 characters a token at most
+    chat = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=huge)]))
+    with pytest.raises(InvalidArgument, match="shorten the prompt"):
+        to_domain(chat, tokenizer, LIMITS, speculation_available=True)
+    assert tokenizer.encoded == []
+
+
+def test_a_long_prompt_is_refused_from_a_prefix_when_its_length_alone_cannot_tell():
+    # As if the vocabulary had a 1,000-character token: the length bound lets 500 kB through.
+    loose = dataclasses.replace(LIMITS, max_token_chars=1000)
+    tokenizer = CountingTokenizer(TOK)
+    with pytest.raises(InvalidArgument, match="does not fit the 896 tokens"):
+        to_domain(pb.GenerateRequest(prompt="the cat sat on the mat. " * 20_000), tokenizer, loose,
+                  speculation_available=True)
+    assert max(tokenizer.encoded) <= 896 * PROBE_CHARS_PER_TOKEN
+    # A prompt that fits is tokenized whole, as before.
+    fits = "the cat sat on the mat. " * 20
+    domain = to_domain(pb.GenerateRequest(prompt=fits), tokenizer, loose, speculation_available=True)
+    assert list(domain.prompt_ids) == TOK.encode(fits)
