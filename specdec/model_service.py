@@ -7,7 +7,8 @@ from contextlib import contextmanager
 from typing import Callable, Generic, Iterator, Protocol, Sequence, TypeVar
 
 from specdec.errors import InvalidArgument
-from specdec.models import LoadedModel, warm_up
+from specdec.kv_cache import SequenceCache
+from specdec.models import LoadedModel
 from specdec.security import ServerTls, warn_if_exposed
 from specdec.serving import RunningServer, start_server
 from specdec.sessions import SessionStore
@@ -86,6 +87,12 @@ class ModelServiceBase(Generic[S]):
 
     def EndSession(self, request, context) -> common_pb2.EndSessionResponse:
         return common_pb2.EndSessionResponse(existed=self.sessions.remove(request.session_id))
+
+
+def warm_up(loaded: LoadedModel) -> None:
+    """One short forward so the first request does not pay for lazy init."""
+    ids = loaded.tokenizer.encode("warm up", add_special_tokens=False) or [0]
+    SequenceCache(loaded, ids).forward([], keep_last=1)
 
 
 def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, service_name: str,

@@ -16,7 +16,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from specdec import int8, registry, tiny
 from specdec.errors import FailedPrecondition, InvalidArgument
-from specdec.kv_cache import SequenceCache
 from specdec.tokenizer_fingerprint import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -24,26 +23,6 @@ log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclass(frozen=True)
-class Pair:
-    draft: str
-    target: str
-    draft_quantize: str = "none"
-    draft_dtype: str = "fp32"
-    target_dtype: str = "fp32"
-    draft_head_vocab: int = 0   # INT8 draft LM head restricted to this many ids (0 = all)
-
-
-PAIRS: dict[str, Pair] = {
-    # The default: the 0.5B draft in INT8 ahead of the 1.5B target in bf16.
-    "qwen-coder": Pair(draft="qwen2.5-coder-0.5b-instruct", target="qwen2.5-coder-1.5b-instruct",
-                       draft_quantize="int8", target_dtype="bf16"),
-    # A quick real pair: SmolLM2 drafting for itself through INT8.
-    "smollm2-self": Pair(draft="smollm2-135m-instruct", target="smollm2-135m-instruct", draft_quantize="int8"),
-    "tiny": Pair(draft="tiny-draft", target="tiny-target"),
-    "tiny-mismatch": Pair(draft="tiny-mismatch-draft", target="tiny-target"),
-}
-DEFAULT_PAIR = "qwen-coder"
 
 
 @dataclass
@@ -123,9 +102,3 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
     log.info("loaded %s (%s, %s, quantize=%s, head_vocab=%s, vocab %d/%d)", name, dtype, device, quantize,
              head_vocab or "all", vocab_size, model_vocab)
     return loaded
-
-
-def warm_up(loaded: LoadedModel) -> None:
-    """One short forward so the first request does not pay for lazy init."""
-    ids = loaded.tokenizer.encode("warm up", add_special_tokens=False) or [0]
-    SequenceCache(loaded, ids).forward([], keep_last=1)

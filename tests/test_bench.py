@@ -2,9 +2,11 @@
 the in-process baselines, and every output file."""
 from __future__ import annotations
 
+import pytest
+
 import json
 
-from specdec import bench
+from specdec.tools import bench
 
 QUESTIONS = [
     {"question_id": 1, "category": "coding", "turns": ["Write a function that adds two numbers.", "Now test it."]},
@@ -12,6 +14,8 @@ QUESTIONS = [
     {"question_id": 3, "category": "qa", "turns": ["What is the capital of France?", "Why?"]},
     {"question_id": 4, "category": "writing", "turns": ["Once upon a time there was a small model.", "More."]},
 ]
+
+pytestmark = pytest.mark.integration  # real processes or real weights
 
 
 def test_bench_quick_on_the_tiny_pair(tmp_path, capsys):

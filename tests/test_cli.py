@@ -38,7 +38,7 @@ def alive(pid: int) -> bool:
 
 
 def specdec(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "specdec.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=ENV)
 
 
@@ -49,6 +49,7 @@ def mismatched_drafter():
     running.stop(0)
 
 
+@pytest.mark.integration
 def test_coordinator_refuses_mismatched_tokenizers(stack, mismatched_drafter):
     result = subprocess.run(
         [sys.executable, "-m", "coordinator", "--drafter", mismatched_drafter,
@@ -59,10 +60,11 @@ def test_coordinator_refuses_mismatched_tokenizers(stack, mismatched_drafter):
             "id order; id 0: draft '<|im_end|>' vs target '<|endoftext|>'") in result.stderr
 
 
+@pytest.mark.integration
 def test_up_generate_and_stop():
     port = free_port()
     auth = ("--auth-token-env", "SPECDEC_TEST_TOKEN")
-    up = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--pair", "tiny", "--port", str(port), *auth],
+    up = subprocess.Popen([sys.executable, "-m", "specdec.tools.cli", "up", "--pair", "tiny", "--port", str(port), *auth],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
         line = up.stdout.readline()
@@ -91,6 +93,7 @@ def test_up_generate_and_stop():
     assert len(children) == 3 and not any(alive(pid) for pid in children), "a service outlived `specdec up`"
 
 
+@pytest.mark.integration
 def test_up_with_a_mismatched_pair_exits_and_names_the_difference():
     result = specdec("up", "--pair", "tiny-mismatch", "--port", str(free_port()))
     assert result.returncode == 2
@@ -119,7 +122,7 @@ def test_up_serves_the_models_on_private_sockets_and_restarts_what_dies(tmp_path
     from tests.conftest import wait_for
 
     port, metrics_port = free_port(), free_port()
-    up = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--pair", "tiny", "--port", str(port),
+    up = subprocess.Popen([sys.executable, "-m", "specdec.tools.cli", "up", "--pair", "tiny", "--port", str(port),
                            "--metrics-port", str(metrics_port), "--drafter-timeout", "5"],
                           stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"), text=True, env=ENV)
     request = pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=40, ignore_eos=True,

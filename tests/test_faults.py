@@ -10,13 +10,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec import launcher
+from specdec.tools import launcher
 from specdec.errors import unavailable_message
 from specdec.serving import channel
 from specdec.v1 import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc
 from tests.conftest import served_coordinator, free_port, rpc_error, wait_for
 
 LONG = 600  # tokens: a few seconds of tiny-model rounds, so a fault lands mid-request
+
+pytestmark = pytest.mark.integration  # real processes or real weights
 
 
 class ModelProcess:

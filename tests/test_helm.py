@@ -86,11 +86,17 @@ def test_pods_run_the_services_with_grpc_probes_resources_and_security(name):
     else:
         (deployment,) = deployments.values()
         assert set(containers(deployment)) == {"coordinator", "verifier", "drafter"}
-        # Sidecars: the model services on loopback, the coordinator pointed there.
+        # Sidecars: the model services on Unix sockets in a pod-private emptyDir, no TCP port;
+        # the coordinator pointed there.
         c = containers(deployment)
-        assert arg(c["verifier"], "--host") == arg(c["drafter"], "--host") == "127.0.0.1"
-        assert arg(c["coordinator"], "--verifier") == f"127.0.0.1:{arg(c['verifier'], '--port')}"
-        assert arg(c["coordinator"], "--drafter") == f"127.0.0.1:{arg(c['drafter'], '--port')}"
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert "emptyDir" in volumes["sockets"]
+        for name in ("verifier", "drafter"):
+            assert arg(c[name], "--uds") == f"/run/specdec/{name}.sock"
+            assert arg(c[name], "--host") is None and arg(c[name], "--port") is None
+            assert arg(c["coordinator"], f"--{name}") == f"unix:/run/specdec/{name}.sock"
+        for name in c:
+            assert {"name": "sockets", "mountPath": "/run/specdec"} in c[name]["volumeMounts"], name
     for deployment in deployments.values():
         pod = deployment["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0

@@ -3,14 +3,18 @@ zero errors from 1 to 32 clients, memory back where it was, p50/p99 reported;
 beyond --max-sessions, RESOURCE_EXHAUSTED and never a crash."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import subprocess
 import sys
 
+pytestmark = pytest.mark.integration  # real processes or real weights
+
 
 def run_load(tmp_path, *args: str) -> dict:
     out = tmp_path / "load"
-    result = subprocess.run([sys.executable, "-m", "specdec.load", "--pair", "tiny", "--threads", "1",
+    result = subprocess.run([sys.executable, "-m", "specdec.tools.load", "--pair", "tiny", "--threads", "1",
                              "--out", str(out), *args], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "| clients | requests | ok |" in result.stdout

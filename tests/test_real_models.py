@@ -14,7 +14,8 @@ import torch
 import drafter.service
 import verifier.service
 from specdec import registry
-from specdec.models import PAIRS, load_model
+from specdec.models import load_model
+from specdec.pairs import PAIRS
 from specdec.v1 import common_pb2, coordinator_pb2 as pb
 from tests.conftest import coordinator_stub
 
@@ -23,6 +24,8 @@ CHATS = [
     "Write a Python function that reverses a string.",
     "List three primary colors.",
 ]
+
+pytestmark = pytest.mark.integration  # real processes or real weights
 
 
 @contextlib.contextmanager

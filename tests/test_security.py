@@ -137,3 +137,37 @@ def test_no_prompt_text_in_logs_by_default(stack, caplog):
         with served_coordinator(**backends(stack), log_prompts=True) as c:
             c.stub.Generate(pb.GenerateRequest(prompt=secret, max_new_tokens=4), timeout=30)
     assert "zebras" in caplog.text  # opted in
+
+
+def test_a_bearer_token_over_plaintext_off_loopback_is_warned_about(stack, caplog):
+    with caplog.at_level(logging.WARNING):
+        running, watched = serve_coordinator(CoordinatorConfig(**backends(stack), auth_token="secret",
+                                                               connect_timeout_s=30), host="0.0.0.0")
+        watched.close()
+        running.stop(0)
+    assert "serving a bearer token over plaintext on 0.0.0.0" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # on loopback it stays on this machine: no warning
+        with served_coordinator(**backends(stack), auth_token="secret"):
+            pass
+    assert "bearer token over plaintext" not in caplog.text
+
+
+def test_a_model_service_on_a_unix_socket_in_a_private_directory(tiny_draft, tmp_path, caplog):
+    path = tmp_path / "private" / "drafter.sock"
+    with caplog.at_level(logging.WARNING):
+        running = drafter.service.serve(tiny_draft, uds=str(path))
+    try:
+        assert running.address == f"unix:{path}" and running.port == 0
+        assert (path.parent.stat().st_mode & 0o777) == 0o700 and "other local users" not in caplog.text
+        with channel(running.address) as ch:
+            assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
+    finally:
+        running.stop(0)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with caplog.at_level(logging.WARNING):
+        drafter.service.serve(tiny_draft, uds=str(shared / "drafter.sock")).stop(0)
+    assert "other local users may reach it" in caplog.text

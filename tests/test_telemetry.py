@@ -19,7 +19,8 @@ from opentelemetry.trace import SpanKind
 
 import drafter.service
 import verifier.service
-from specdec import telemetry, traces
+from specdec import telemetry
+from specdec.tools import traces
 from specdec.v1 import common_pb2, coordinator_pb2 as pb
 from tests.conftest import coordinator_stub, free_port
 
@@ -101,6 +102,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
+@pytest.mark.integration
 def test_all_three_services_export_one_trace_over_otlp_grpc_and_to_the_trace_file(tmp_path):
     receiver = Receiver()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
@@ -111,14 +113,14 @@ def test_all_three_services_export_one_trace_over_otlp_grpc_and_to_the_trace_fil
     port = free_port()
     env = {**__import__("os").environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
            "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    up = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--pair", "tiny", "--port", str(port),
+    up = subprocess.Popen([sys.executable, "-m", "specdec.tools.cli", "up", "--pair", "tiny", "--port", str(port),
                            "--gamma", "3", "--trace-file", str(trace_file)], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True)
     try:
         for line in up.stdout:
             if "coordinator on" in line:
                 break
-        result = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--addr", f"127.0.0.1:{port}",
+        result = subprocess.run([sys.executable, "-m", "specdec.tools.cli", "generate", "--addr", f"127.0.0.1:{port}",
                                  "--prompt", SECRET, "--max-new-tokens", "24", "--json"],
                                 capture_output=True, text=True, timeout=120, check=True)
         response = json.loads(result.stdout)
@@ -159,7 +161,7 @@ def test_all_three_services_export_one_trace_over_otlp_grpc_and_to_the_trace_fil
     assert all(r.verify_ms > 0 and r.rpc_ms >= 0 for r in rows)
     assert all(r.draft_ms > 0 for r in rows if r.drafted)
     plot = tmp_path / "rounds.png"
-    out = subprocess.run([sys.executable, "-m", "specdec.cli", "traces", str(trace_file), "--request", trace_id[:8],
+    out = subprocess.run([sys.executable, "-m", "specdec.tools.cli", "traces", str(trace_file), "--request", trace_id[:8],
                           "--plot", str(plot)], capture_output=True, text=True, timeout=60, check=True).stdout
     assert f"request {trace_id}" in out and "round" in out and "acceptance by position" in out
     assert "tok/s" in out and plot.read_bytes()[:4] == b"\x89PNG"

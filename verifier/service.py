@@ -10,7 +10,7 @@ from specdec.serving import RunningServer
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from specdec.wire import decode_probs, sampling_from_proto
 
-from verifier.scorer import TargetSession
+from verifier.target_session import TargetSession
 
 log = logging.getLogger("verifier")
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name

@@ -103,8 +103,13 @@ livenessProbe:
     {{- end }}
     - --device={{ $v.device }}
     - --threads={{ $v.threads }}
-    - --host={{ ternary "0.0.0.0" "127.0.0.1" $split }}
+    {{- if $split }}
+    - --host=0.0.0.0
     - --port={{ $v.port }}
+    {{- else }}
+    {{- /* Sidecar mode: a Unix socket in the pod's private emptyDir, no TCP port at all. */}}
+    - --uds=/run/specdec/{{ .component }}.sock
+    {{- end }}
     - --health-port={{ $v.healthPort }}
     - --max-sessions={{ $v.maxSessions }}
     - --session-ttl={{ $v.sessionTtlSeconds }}
@@ -138,6 +143,8 @@ livenessProbe:
     - {name: tmp, mountPath: /tmp}
     {{- if $split }}
     - {name: backend-tls, mountPath: /etc/specdec/backend-tls, readOnly: true}
+    {{- else }}
+    - {name: sockets, mountPath: /run/specdec}
     {{- end }}
 {{- end -}}
 
@@ -158,8 +165,8 @@ livenessProbe:
     - --backend-tls-cert=/etc/specdec/backend-tls/tls.crt
     - --backend-tls-key=/etc/specdec/backend-tls/tls.key
     {{- else }}
-    - --verifier=127.0.0.1:{{ .Values.verifier.port }}
-    - --drafter=127.0.0.1:{{ .Values.drafter.port }}
+    - --verifier=unix:/run/specdec/verifier.sock
+    - --drafter=unix:/run/specdec/drafter.sock
     {{- end }}
     - --host=0.0.0.0
     - --port={{ $c.port }}
@@ -212,6 +219,8 @@ livenessProbe:
     {{- end }}
     {{- if $split }}
     - {name: backend-tls, mountPath: /etc/specdec/backend-tls, readOnly: true}
+    {{- else }}
+    - {name: sockets, mountPath: /run/specdec}
     {{- end }}
 {{- end -}}
 

@@ -1,4 +1,7 @@
-"""The `specdec` command: `up` starts the three services, `generate` calls them."""
+"""The `specdec` command: `up` starts the three services, `generate` calls them.
+
+The client side (`generate`, `traces`) starts without importing torch or
+transformers: what the server side needs is imported inside its commands."""
 from __future__ import annotations
 
 import argparse
@@ -10,15 +13,15 @@ import threading
 import grpc
 from google.protobuf import json_format
 
-from specdec import launcher, registry
 from specdec.errors import SpecdecError
-from specdec.models import DEFAULT_PAIR, PAIRS
+from specdec.pairs import DEFAULT_PAIR, PAIRS
 from specdec.security import ClientTls, load_token
 from specdec.serving import channel
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from specdec.tools import launcher  # the server side: models, torch
     pair = PAIRS[args.pair]
     options = launcher.StackOptions.for_pair(
         pair, draft_model=args.draft_model, target_model=args.target_model, draft_quantize=args.draft_quantize,
@@ -131,6 +134,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    from specdec import registry
     try:
         if args.action == "list":
             for entry in registry.MODELS.values():
@@ -228,13 +232,13 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its options are its own (argparse.REMAINDER would not pass them on)
-        from specdec import bench
+        from specdec.tools import bench
         sys.exit(bench.main(argv[1:]))
     if argv[:1] == ["load"]:
-        from specdec import load
+        from specdec.tools import load
         sys.exit(load.main(argv[1:]))
     if argv[:1] == ["traces"]:
-        from specdec import traces
+        from specdec.tools import traces
         sys.exit(traces.main(argv[1:]))
     args = parser().parse_args(argv)
     sys.exit(args.func(args))

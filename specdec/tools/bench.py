@@ -35,8 +35,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from specdec import launcher
-from specdec.models import PAIRS, LoadedModel, load_model
+from specdec.tools import launcher
+from specdec.models import LoadedModel, load_model
+from specdec.pairs import PAIRS
 from specdec.serving import channel
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from specdec import registry
-from specdec.models import Pair
+from specdec.pairs import Pair
 
 
 @dataclass

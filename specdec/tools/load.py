@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import psutil
 
-from specdec import launcher
-from specdec.models import PAIRS
+from specdec.tools import launcher
+from specdec.pairs import PAIRS
 from specdec.security import ClientTls, load_token
 from specdec.serving import channel
 from specdec.v1 import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc

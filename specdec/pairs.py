@@ -1,0 +1,27 @@
+"""The model pairs `specdec up`, `bench` and `load` know by name. Plain data, no
+torch: the client side of the CLI reads it without loading a framework."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Pair:
+    draft: str
+    target: str
+    draft_quantize: str = "none"
+    draft_dtype: str = "fp32"
+    target_dtype: str = "fp32"
+    draft_head_vocab: int = 0   # INT8 draft LM head restricted to this many ids (0 = all)
+
+
+PAIRS: dict[str, Pair] = {
+    # The default: the 0.5B draft in INT8 ahead of the 1.5B target in bf16.
+    "qwen-coder": Pair(draft="qwen2.5-coder-0.5b-instruct", target="qwen2.5-coder-1.5b-instruct",
+                       draft_quantize="int8", target_dtype="bf16"),
+    # A quick real pair: SmolLM2 drafting for itself through INT8.
+    "smollm2-self": Pair(draft="smollm2-135m-instruct", target="smollm2-135m-instruct", draft_quantize="int8"),
+    "tiny": Pair(draft="tiny-draft", target="tiny-target"),
+    "tiny-mismatch": Pair(draft="tiny-mismatch-draft", target="tiny-target"),
+}
+DEFAULT_PAIR = "qwen-coder"
