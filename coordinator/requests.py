@@ -26,7 +26,7 @@ class Limits:
     max_context: int             # the target's
     default_max_new_tokens: int
     default_gamma: int | None    # None: adaptive (see coordinator.gamma)
-    proposer_max_tokens: int     # the most tokens the proposer drafts in one call
+    max_propose_tokens: int     # the most tokens the proposer drafts in one call
     gamma_max: int = 8           # adaptive γ ranges over [0, gamma_max]
     seeded_gamma: int = 4        # adaptive γ follows timing, so seeded sampling keeps a fixed γ
     max_token_chars: int = 1024  # the most characters one token of the tokenizer decodes to
@@ -118,12 +118,12 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
         gamma = request.speculation.gamma or limits.default_gamma
         if gamma is None and sampling.seed is not None and not sampling.greedy:
             # γ chosen from timings would make a seeded sample depend on machine load.
-            gamma = min(limits.seeded_gamma, limits.proposer_max_tokens)
+            gamma = min(limits.seeded_gamma, limits.max_propose_tokens)
         if gamma is None:
-            gamma, adaptive = min(limits.gamma_max, limits.proposer_max_tokens), True
-        if gamma > limits.proposer_max_tokens:
+            gamma, adaptive = min(limits.gamma_max, limits.max_propose_tokens), True
+        if gamma > limits.max_propose_tokens:
             raise InvalidArgument(f"speculation.gamma={gamma} is over the proposer's limit of "
-                                  f"{limits.proposer_max_tokens}")
+                                  f"{limits.max_propose_tokens}")
     confidence_stop = adaptive and (not request.speculation.HasField("confidence_stop")
                                     or request.speculation.confidence_stop)
     return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop, adaptive, request.ignore_eos,

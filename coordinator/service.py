@@ -67,11 +67,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.backends = backends
         self.config = config
         target, draft = backends.target_info, backends.draft_info
-        proposer_max = MAX_PROPOSE_TOKENS if config.proposer == "ngram" else (draft.max_propose_tokens if draft else 0)
+        max_propose = MAX_PROPOSE_TOKENS if config.proposer == "ngram" else (draft.max_propose_tokens if draft else 0)
         self.limits = Limits(
             vocab_size=target.vocab_size, max_context=target.max_context,
             default_max_new_tokens=config.max_new_tokens, default_gamma=config.gamma or None,
-            proposer_max_tokens=proposer_max, gamma_max=config.gamma_max,
+            max_propose_tokens=max_propose, gamma_max=config.gamma_max,
             max_token_chars=max_token_chars(backends.tokenizer))
         self.metrics = Metrics()
         self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids),
@@ -135,7 +135,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         # One trace per Generate, rooted here (or under the client's span if it sent W3C context).
         parent = propagate.extract({k: v for k, v in context.invocation_metadata() if isinstance(v, str)})
         with telemetry.tracer.start_as_current_span("generate", context=parent, kind=SpanKind.SERVER) as span:
-            domain = to_domain(request, self.backends.tokenizer, self.limits, self.limits.proposer_max_tokens > 0)
+            domain = to_domain(request, self.backends.tokenizer, self.limits, self.limits.max_propose_tokens > 0)
             span.set_attributes(request_attributes(request, domain, self.backends.target_info.model,
                                                    self.backends.draft_info.model if self.backends.draft_info else ""))
 

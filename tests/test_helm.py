@@ -92,9 +92,9 @@ def test_pods_run_the_services_with_grpc_probes_resources_and_security(name):
         volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
         assert "emptyDir" in volumes["sockets"]
         for name in ("verifier", "drafter"):
-            assert arg(c[name], "--uds") == f"/run/specdec/{name}.sock"
+            assert arg(c[name], "--uds") == f"/run/specdec/private/{name}.sock"
             assert arg(c[name], "--host") is None and arg(c[name], "--port") is None
-            assert arg(c["coordinator"], f"--{name}") == f"unix:/run/specdec/{name}.sock"
+            assert arg(c["coordinator"], f"--{name}") == f"unix:/run/specdec/private/{name}.sock"
         for name in c:
             assert {"name": "sockets", "mountPath": "/run/specdec"} in c[name]["volumeMounts"], name
     for deployment in deployments.values():

@@ -12,7 +12,7 @@ from specdec.v1 import coordinator_pb2 as pb
 
 TOK = tiny.build_tokenizer()
 LIMITS = Limits(vocab_size=512, max_context=1024, default_max_new_tokens=128, default_gamma=4,
-                proposer_max_tokens=32, max_token_chars=max_token_chars(TOK))
+                max_propose_tokens=32, max_token_chars=max_token_chars(TOK))
 
 
 def test_defaults():

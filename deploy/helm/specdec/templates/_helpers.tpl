@@ -107,8 +107,8 @@ livenessProbe:
     - --host=0.0.0.0
     - --port={{ $v.port }}
     {{- else }}
-    {{- /* Sidecar mode: a Unix socket in the pod's private emptyDir, no TCP port at all. */}}
-    - --uds=/run/specdec/{{ .component }}.sock
+    {{- /* Sidecar mode: a Unix socket in a 0700 directory (made by the service) inside the pod-private emptyDir; no TCP port. */}}
+    - --uds=/run/specdec/private/{{ .component }}.sock
     {{- end }}
     - --health-port={{ $v.healthPort }}
     - --max-sessions={{ $v.maxSessions }}
@@ -165,8 +165,8 @@ livenessProbe:
     - --backend-tls-cert=/etc/specdec/backend-tls/tls.crt
     - --backend-tls-key=/etc/specdec/backend-tls/tls.key
     {{- else }}
-    - --verifier=unix:/run/specdec/verifier.sock
-    - --drafter=unix:/run/specdec/drafter.sock
+    - --verifier=unix:/run/specdec/private/verifier.sock
+    - --drafter=unix:/run/specdec/private/drafter.sock
     {{- end }}
     - --host=0.0.0.0
     - --port={{ $c.port }}
