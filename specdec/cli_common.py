@@ -53,7 +53,9 @@ def add_model_args(parser: argparse.ArgumentParser, default_quantize: str) -> No
                              "enter its directory (made 0700 if missing) can call the service")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--quantize", default=default_quantize, choices=["none", "int8"])
+    parser.add_argument("--quantize", default=default_quantize, choices=["none", "int8", "int4"],
+                        help="int8: specdec's INT8 (the drafter's default in pairs); int4: the GGUF's own Q4_K "
+                             "blocks on torch's int4 kernel (CPU), other tensors as loaded")
     parser.add_argument("--head-vocab", type=int, default=0,
                         help="with --quantize int8: restrict the LM head to the N lowest (most frequent) ids "
                              "plus special tokens (0 = whole vocabulary); lossless, it only changes what is proposed")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec import int8, registry, tiny
+from specdec import int4, int8, registry, tiny
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.tokenizer_fingerprint import tokenizer_fingerprint
 
@@ -75,15 +75,40 @@ def _load_weights(name: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel,
         "from a hub")
 
 
+QUANTIZE = ("none", "int8", "int4")
+
+
+def gguf_source(name: str) -> pathlib.Path | None:
+    """The GGUF file a model's weights come from, if they come from one."""
+    if name in registry.MODELS:
+        entry = registry.lookup(name)
+        path = registry.model_dir(entry) / entry.gguf_name
+        return path if path.is_file() else None
+    path = pathlib.Path(name).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize: str = "none",
                head_vocab: int = 0) -> LoadedModel:
     if dtype not in DTYPES:
         raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if quantize not in ("none", "int8"):
-        raise InvalidArgument(f"quantize must be 'none' or 'int8', got {quantize!r}")
+    if quantize not in QUANTIZE:
+        raise InvalidArgument(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
     torch_device = torch.device(device)
     model, tokenizer = _load_weights(name, DTYPES[dtype])
     model = model.to(torch_device).eval()
+    if quantize == "int4":
+        source = gguf_source(name)
+        if source is None:
+            raise InvalidArgument(f"--quantize int4 builds its weights from a GGUF's Q4_K blocks; {name!r} has no "
+                                  "GGUF source (give a .gguf file or a registry name)")
+        if torch_device.type != "cpu":
+            raise InvalidArgument("--quantize int4 runs torch's CPU int4 kernel; on CUDA use int8 or none for now")
+        report = int4.quantize_from_gguf(model, str(source))
+        log.info("%s: int4 from Q4_K blocks on %d Linear layers; %d kept as loaded (other GGUF types), "
+                 "%d did not match their GGUF tensor and were kept", name, report["int4"], report["kept"],
+                 report["mismatched"])
+        dtype = f"{dtype}+int4"
     vocab = tokenizer.get_vocab()
     vocab_size = max(vocab.values()) + 1
     model_vocab = int(model.get_input_embeddings().weight.shape[0])

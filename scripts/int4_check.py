@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""int4 from the GGUF's Q4_K blocks against the bf16 and fp32 de-quantized model,
+side by side in one run: forward time for 1, 4 and 5 rows after a prefill, and
+teacher-forced quality (top-1 agreement and mean KL against fp32) on Spec-Bench
+dev prompts, each followed by the fp32 model's own greedy continuation.
+Prints a table and writes JSON.
+
+  python scripts/int4_check.py [--model qwen2.5-coder-1.5b-instruct] [--prompts 4] [--new 48]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+
+import torch
+
+from specdec.kv_cache import SequenceCache
+from specdec.models import load_model
+
+DEV = pathlib.Path(__file__).resolve().parent.parent.parent / "shared/data/spec_bench/questions_dev.jsonl"
+
+
+def forward_ms(loaded, prefix: list[int], rows: int, repeats: int = 6) -> float:
+    times = []
+    for _ in range(repeats):
+        seq = SequenceCache(loaded, prefix)
+        seq.prefill()
+        seq.forward([], keep_last=1)
+        started = time.perf_counter()
+        seq.forward(prefix[1:rows], keep_last=rows) if rows > 1 else seq.forward([5], keep_last=1)
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def logits(loaded, ids: list[int]) -> torch.Tensor:
+    return loaded.model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--new", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="int4_check.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    reference = load_model(args.model, dtype="fp32")
+    tok = reference.tokenizer
+    questions = [json.loads(line) for line in DEV.read_text().splitlines()]
+    picked = [questions[i * len(questions) // args.prompts] for i in range(args.prompts)]
+    texts = []
+    for q in picked:  # prompt + the fp32 model's greedy continuation, teacher-forced below
+        text = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        out = reference.model.generate(torch.tensor([ids]), max_new_tokens=args.new, do_sample=False)
+        texts.append((len(ids), out[0].tolist()))
+    ref_logits = [logits(reference, ids)[start - 1:] for start, ids in texts]
+    prefix = (texts[0][1] * 4)[:200]
+    results = {}
+    for name, kwargs in (("fp32", dict(dtype="fp32")), ("bf16", dict(dtype="bf16")),
+                         ("int4", dict(dtype="bf16", quantize="int4"))):
+        loaded = reference if name == "fp32" else load_model(args.model, **kwargs)
+        agree, kl, n = 0, 0.0, 0
+        for (start, ids), ref in zip(texts, ref_logits):
+            mine = logits(loaded, ids)[start - 1:]
+            agree += int((mine.argmax(-1) == ref.argmax(-1)).sum())
+            kl += float(torch.nn.functional.kl_div(mine.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                                   reduction="sum"))
+            n += mine.shape[0]
+        results[name] = {"top1_agreement_vs_fp32": agree / n, "mean_kl_vs_fp32": kl / n,
+                         **{f"forward_ms_{r}_rows": forward_ms(loaded, prefix, r) for r in (1, 4, 5)}}
+        if loaded is not reference:
+            del loaded
+    print(f"{args.model}, {args.threads} threads, 200-token prefix; quality teacher-forced on {args.prompts} dev "
+          f"prompts x {args.new} tokens")
+    print(f"{'weights':8s} {'1 row':>9s} {'4 rows':>9s} {'5 rows':>9s} {'top-1 vs fp32':>14s} {'KL vs fp32':>11s}")
+    for name, r in results.items():
+        print(f"{name:8s} {r['forward_ms_1_rows']:6.1f} ms {r['forward_ms_4_rows']:6.1f} ms "
+              f"{r['forward_ms_5_rows']:6.1f} ms {r['top1_agreement_vs_fp32']:14.3f} {r['mean_kl_vs_fp32']:11.4f}")
+    pathlib.Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

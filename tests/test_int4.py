@@ -1,0 +1,98 @@
+"""specdec.int4: Q4_K blocks carried over to int4 group-32 without a second rounding of the codes."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from specdec.int4 import Int4Linear, q4k_codes
+
+
+def random_q4k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Valid Q4_K bytes: random codes, scales and mins under sane fp16 d and dmin."""
+    rng = np.random.default_rng(seed)
+    n = rows * cols // 256
+    blocks = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
+    blocks[:, 0:2] = rng.uniform(1e-4, 2e-3, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    blocks[:, 2:4] = rng.uniform(1e-4, 2e-3, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return blocks.reshape(-1)
+
+
+def test_codes_scales_and_mins_rebuild_the_gguf_weights_exactly():
+    rows, cols = 8, 512
+    raw = random_q4k(rows, cols)
+    codes, scale, minimum = q4k_codes(raw, rows, cols)
+    assert codes.min() >= 0 and codes.max() <= 15 and codes.max() > 7
+    rebuilt = codes.astype(np.float32) * np.repeat(scale, 32, axis=1) - np.repeat(minimum, 32, axis=1)
+    reference = dequantize(raw, GGMLQuantizationType.Q4_K).reshape(rows, cols)
+    np.testing.assert_array_equal(rebuilt, reference)
+
+
+def test_the_int4_kernel_applies_the_codes_unchanged_and_only_rounds_scales():
+    rows, cols = 64, 512
+    raw = random_q4k(rows, cols, seed=1)
+    layer = Int4Linear.from_q4k(raw, rows, cols)
+    reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K).reshape(rows, cols).copy())
+    applied = layer.dequantized()
+    # The codes are the GGUF's: the kernel's weight is affine in them per group, with
+    # scale and zero the bf16 roundings of d*sc and 8*scale - dmin*m.
+    codes, scale, minimum = (torch.from_numpy(a) for a in q4k_codes(raw, rows, cols))
+    scale_bf16 = scale.to(torch.bfloat16).float()
+    zero_bf16 = (8 * scale_bf16 - minimum).to(torch.bfloat16).float()
+    expected = (codes.float() - 8) * scale_bf16.repeat_interleave(32, 1) + zero_bf16.repeat_interleave(32, 1)
+    bf16 = 2.0 ** -8  # read out through the kernel, the weight is rounded to bf16 once more
+    assert torch.allclose(applied, expected, atol=1e-6, rtol=bf16)
+    # ... which is the GGUF weight within bf16 roundings, far under one code step (a
+    # re-quantization would be off by up to half a step).
+    step = scale.repeat_interleave(32, 1)
+    off = (applied - reference).abs() - 2 * bf16 * reference.abs()
+    assert (off <= step / 16).all() and off.mean() < (step / 64).mean()
+    x = torch.randn(5, cols)
+    # bf16 activations and output: off by a few bf16 roundings of the terms' magnitudes.
+    assert ((layer(x) - x @ applied.t()).abs() <= 4 * bf16 * (x.abs() @ applied.abs().t())).all()
+
+
+def write_gguf(path, tensors: dict) -> None:
+    from gguf import GGUFWriter
+    writer = GGUFWriter(str(path), "llama")
+    for name, (raw, qtype, (rows, _)) in tensors.items():  # as bytes: [rows, bytes per row]
+        writer.add_tensor(name, raw.reshape(rows, -1), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_linears_whose_gguf_tensor_is_q4k_are_replaced_and_checked_first(tmp_path):
+    from gguf.quants import quantize
+    from specdec.int4 import quantize_from_gguf
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    layer = torch.nn.Module()
+    layer.mlp = torch.nn.Module()
+    layer.mlp.up_proj, layer.mlp.down_proj = torch.nn.Linear(256, 64), torch.nn.Linear(64, 256, bias=False)
+    layer.self_attn = torch.nn.Module()
+    layer.self_attn.q_proj = torch.nn.Linear(256, 256, bias=False)
+    model.model.layers = torch.nn.ModuleList([layer])
+    up, q = random_q4k(64, 256, seed=2), random_q4k(256, 256, seed=3)
+    down = quantize(np.random.default_rng(4).standard_normal((256, 64)).astype(np.float32),
+                    GGMLQuantizationType.Q8_0)
+    with torch.no_grad():  # the model holds what a loader made of the GGUF; q_proj as if permuted
+        layer.mlp.up_proj.weight.copy_(torch.from_numpy(dequantize(up, GGMLQuantizationType.Q4_K).reshape(64, 256)))
+        layer.self_attn.q_proj.weight.copy_(torch.from_numpy(
+            dequantize(q, GGMLQuantizationType.Q4_K).reshape(256, 256)[torch.randperm(256)].copy()))
+    path = tmp_path / "model.gguf"
+    write_gguf(path, {"blk.0.ffn_up.weight": (up, GGMLQuantizationType.Q4_K, (64, 256)),
+                      "blk.0.ffn_down.weight": (down.reshape(-1), GGMLQuantizationType.Q8_0, (256, 64)),
+                      "blk.0.attn_q.weight": (q, GGMLQuantizationType.Q4_K, (256, 256))})
+    x = torch.randn(3, 256)
+    before = layer.mlp.up_proj(x).detach()
+    report = quantize_from_gguf(model, str(path))
+    assert report == {"int4": 1, "kept": 1, "mismatched": 1}
+    assert isinstance(layer.mlp.up_proj, Int4Linear) and layer.mlp.up_proj.bias is not None
+    assert isinstance(layer.mlp.down_proj, torch.nn.Linear) and isinstance(layer.self_attn.q_proj, torch.nn.Linear)
+    after = layer.mlp.up_proj(x)
+    assert ((after - before).abs() <= 0.02 * (x.abs() @ layer.mlp.up_proj.dequantized().abs().t()) + 0.02).all()
