@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import pathlib
 import statistics
 import time
@@ -30,7 +31,7 @@ def forward_ms(loaded, prefix: list[int], rows: int, repeats: int = 6) -> float:
         seq.prefill()
         seq.forward([], keep_last=1)
         started = time.perf_counter()
-        seq.forward(prefix[1:rows], keep_last=rows) if rows > 1 else seq.forward([5], keep_last=1)
+        seq.forward(prefix[1:rows + 1], keep_last=rows)
         times.append((time.perf_counter() - started) * 1e3)
     return statistics.median(times)
 
@@ -49,6 +50,7 @@ def main() -> int:
     parser.add_argument("--out", default="int4_check.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the int4 conversion's report
     reference = load_model(args.model, dtype="fp32")
     tok = reference.tokenizer
     questions = [json.loads(line) for line in DEV.read_text().splitlines()]

@@ -96,3 +96,21 @@ def test_linears_whose_gguf_tensor_is_q4k_are_replaced_and_checked_first(tmp_pat
     assert isinstance(layer.mlp.down_proj, torch.nn.Linear) and isinstance(layer.self_attn.q_proj, torch.nn.Linear)
     after = layer.mlp.up_proj(x)
     assert ((after - before).abs() <= 0.02 * (x.abs() @ layer.mlp.up_proj.dequantized().abs().t()) + 0.02).all()
+
+
+def test_int4_needs_a_gguf_source_and_says_so():
+    import pytest
+    from specdec.errors import InvalidArgument
+    from specdec.models import load_model
+    with pytest.raises(InvalidArgument, match="builds its weights from a GGUF's Q4_K blocks"):
+        load_model("tiny-target", quantize="int4")
+    with pytest.raises(InvalidArgument, match="quantize must be one of none, int8, int4"):
+        load_model("tiny-target", quantize="int3")
+
+
+def test_a_gpu_stack_keeps_the_pairs_dtype_instead_of_cpu_int4():
+    from specdec.pairs import PAIRS
+    from specdec.tools.launcher import StackOptions
+    assert StackOptions.for_pair(PAIRS["qwen-coder"]).target_quantize == "int4"
+    assert StackOptions.for_pair(PAIRS["qwen-coder"], device="cuda").target_quantize == "none"
+    assert StackOptions.for_pair(PAIRS["qwen-coder"], device="cuda", target_quantize="int8").target_quantize == "int8"

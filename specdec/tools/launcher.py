@@ -151,6 +151,7 @@ class StackOptions:
     target_model: str
     draft_quantize: str
     head_vocab: int
+    target_quantize: str = "none"
     device: str = "cpu"
     host: str = "127.0.0.1"
     port: int = 50051
@@ -166,8 +167,11 @@ class StackOptions:
     def for_pair(cls, pair: Pair, **overrides) -> "StackOptions":
         """The pair's models and settings; overrides that are None keep the pair's."""
         given = {k: v for k, v in overrides.items() if v is not None}
+        if given.get("device", "cpu") != "cpu" and "target_quantize" not in given and pair.target_quantize == "int4":
+            given["target_quantize"] = "none"  # int4 runs torch's CPU kernel; a GPU serves the pair's dtype
         return cls(**{"pair": pair, "draft_model": pair.draft, "target_model": pair.target,
-                      "draft_quantize": pair.draft_quantize, "head_vocab": pair.draft_head_vocab, **given})
+                      "draft_quantize": pair.draft_quantize, "head_vocab": pair.draft_head_vocab,
+                      "target_quantize": pair.target_quantize, **given})
 
 
 def pull_models(names: list[str], say=print) -> None:
@@ -208,7 +212,8 @@ class Stack:
             "--model", options.draft_model, "--dtype", options.pair.draft_dtype, "--quantize",
             options.draft_quantize, "--head-vocab", str(options.head_vocab), *self._listen("drafter"), *common]))
         self.children.append(spawn("verifier", "verifier", [
-            "--model", options.target_model, "--dtype", options.pair.target_dtype, *self._listen("verifier"),
+            "--model", options.target_model, "--dtype", options.pair.target_dtype, "--quantize",
+            options.target_quantize, *self._listen("verifier"),
             *common]))
         drafter, verifier = (wait_serving(child, options.ready_timeout_s) for child in self.children)
         self.children.append(spawn("coordinator", "coordinator", [
