@@ -210,8 +210,7 @@ class SpeculativeEngine:
                     Commit(commit.num_accepted, commit.target_token_ids + (verdict.next_token_id,))
                 # 6. Record the round once: stats, metrics, the controller and the span read it.
                 record = RoundRecord(stats.rounds, gamma, len(proposal.token_ids), verdict.num_accepted,
-                                     verdict.bonus, draft_ms, verify_ms, min_confidence, proposal.confidences,
-                                     len(new_tokens))
+                                     verdict.bonus, draft_ms, verify_ms, min_confidence, proposal.confidences)
                 self._record(record, stats, controller)
                 span.set_attributes(record.span_attributes())
             yield new_tokens
@@ -229,6 +228,6 @@ class SpeculativeEngine:
             remaining = request.max_new_tokens - len(output.token_ids)
             started = time.perf_counter()
             tokens = self.verifier.decode(session_id, min(DECODE_CHUNK, remaining), request.sampling, timeout())
-            self._record(RoundRecord(stats.rounds, 0, 0, 0, False, verify_ms=(time.perf_counter() - started) * 1e3,
-                                     new_tokens=len(tokens)), stats, None)
+            # Not a speculation round: the stats count it, the round metrics do not.
+            stats.record(RoundRecord(stats.rounds, 0, 0, 0, False, verify_ms=(time.perf_counter() - started) * 1e3))
             yield tokens

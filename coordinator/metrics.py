@@ -41,7 +41,7 @@ class Metrics:
         self.rounds.inc()
         self.gamma.observe(round.gamma)
         self.round_seconds.observe((round.draft_ms + round.verify_ms) / 1e3)
-        self.accepted_length.observe(round.new_tokens)
+        self.accepted_length.observe(round.accepted + 1)
         if round.drafted:
             self.drafts.inc()
             self.draft_tokens.inc(round.drafted)

@@ -61,10 +61,10 @@ class OutputAccumulator:
                 break
         self.text = self._decode(self.token_ids)
         if self.stop:
-            self._apply_stop(before)
+            self._apply_stop()
         return self._delta()
 
-    def _apply_stop(self, first_new: int) -> None:
+    def _apply_stop(self) -> None:
         search_from = max(0, self._sent_chars - self.holdback)
         hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if not hits:

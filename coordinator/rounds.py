@@ -17,7 +17,6 @@ class RoundRecord:
     verify_ms: float = 0.0
     min_confidence: float = 0.0             # the drafter stopped after a token below this
     confidences: tuple[float, ...] = ()     # [drafted] what the draft gave each of its tokens
-    new_tokens: int = 1                     # tokens the round added to the output (accepted + 1; or a decode chunk)
 
     @property
     def accepted_by_position(self) -> list[bool]:

@@ -25,7 +25,8 @@ from coordinator.backends import Backends, WatchSettings
 from coordinator.clients import RemoteDraftProposer
 from coordinator.engine import SpeculativeEngine
 from coordinator.metrics import Metrics
-from coordinator.requests import Limits, max_token_chars, request_attributes, response_attributes, to_domain, update_to_proto
+from coordinator.requests import (Limits, max_token_chars, request_attributes, response_attributes, to_domain,
+                                  update_to_proto)
 
 log = logging.getLogger("coordinator")
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name

@@ -62,7 +62,6 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", torch.stack([scale_t.t(), zero.t()], dim=-1).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self.dtype = dtype
-        self._codes_shape = (out_features, in_features)
 
     @classmethod
     def from_q4k(cls, raw: np.ndarray, rows: int, cols: int, bias: torch.Tensor | None = None) -> "Int4Linear":

@@ -47,10 +47,6 @@ class Verdict:
     next_token_id: int    # the target's own token after them: recovered, or bonus when all were accepted
     bonus: bool
 
-    @property
-    def recovered(self) -> bool:
-        return not self.bonus
-
 
 class Proposer(abc.ABC):
     """Proposes draft tokens for one generation (one session)."""

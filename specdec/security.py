@@ -149,39 +149,34 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def warn_if_token_in_clear(host: str, tls: ServerTls | None, token: str | None, uds: str | None = None) -> bool:
+def warn_if_token_in_clear(host: str, tls: ServerTls | None, token: str | None, uds: str | None = None) -> None:
     """A bearer token over plaintext off loopback can be read off the network."""
-    if token is None or tls is not None or uds or is_loopback(host):
-        return False
-    log.warning("serving a bearer token over plaintext on %s: anyone on the network path can read it and replay "
-                "it. Serve TLS (--tls-cert, --tls-key) or bind 127.0.0.1 behind a TLS-terminating proxy.", host)
-    return True
+    if token is not None and tls is None and not uds and not is_loopback(host):
+        log.warning("serving a bearer token over plaintext on %s: anyone on the network path can read it and "
+                    "replay it. Serve TLS (--tls-cert, --tls-key) or bind 127.0.0.1 behind a TLS-terminating proxy.",
+                    host)
 
 
-def private_socket_dir(path: str) -> str:
+def private_socket_dir(path: str) -> pathlib.Path:
     """The directory a Unix domain socket goes in, created private (0700) if missing.
     Who can enter it can call the service: that is the access control of sidecar mode."""
     directory = pathlib.Path(path).expanduser().resolve().parent
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return str(directory)
+    return directory
 
 
-def warn_if_exposed(service: str, host: str, tls: ServerTls | None, uds: str | None = None) -> bool:
+def warn_if_exposed(service: str, host: str, tls: ServerTls | None, uds: str | None = None) -> None:
     """Drafter and verifier are meant for a private Unix socket or loopback (sidecar
     mode); off them, they want mTLS."""
     if uds:
-        directory = pathlib.Path(private_socket_dir(uds))
+        directory = private_socket_dir(uds)
         mode = directory.stat().st_mode & 0o777
         if mode & 0o077:
             log.warning("%s serves unix:%s in %s with mode %o: other local users may reach it and use the model. "
                         "Put the socket in a directory of mode 0700.", service, uds, directory, mode)
-            return True
-        return False
-    if not is_loopback(host) and (tls is None or tls.client_ca is None):
+    elif not is_loopback(host) and (tls is None or tls.client_ca is None):
         log.warning("%s binds %s without mutual TLS: anyone who reaches it can read sessions and use the model. "
                     "Serve a Unix socket in a private directory (--uds, sidecar mode), or pass --tls-cert, --tls-key "
                     "and --tls-client-ca.", service, host)
-        return True
-    if not tls:
+    elif not tls:
         log.info("%s on %s: any local user can call it; --uds in a private directory keeps them out", service, host)
-    return False

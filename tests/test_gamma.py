@@ -45,7 +45,7 @@ class Stream:
 
 
 def round_record(gamma: int, accepted: int, draft_ms: float, verify_ms: float) -> RoundRecord:
-    return RoundRecord(0, gamma, gamma, accepted, accepted == gamma, draft_ms, verify_ms, new_tokens=accepted + 1)
+    return RoundRecord(0, gamma, gamma, accepted, accepted == gamma, draft_ms, verify_ms)
 
 
 def true_goodput(alpha: float, g: int) -> float:
