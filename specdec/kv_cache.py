@@ -20,7 +20,8 @@ class SequenceCache:
     def __init__(self, loaded: "LoadedModel", prompt_ids: Sequence[int]):
         self.loaded = loaded
         self.tokens: list[int] = [int(t) for t in prompt_ids]
-        self.cache = DynamicCache(config=loaded.model.config)
+        # The lean forward's static buffer where the model has one; transformers' cache otherwise.
+        self.cache = loaded.lean.new_cache() if loaded.lean else DynamicCache(config=loaded.model.config)
 
     @property
     def cached(self) -> int:
@@ -49,9 +50,11 @@ class SequenceCache:
         return self._run(feed, keep_last)
 
     def _run(self, feed: Sequence[int], keep_last: int) -> torch.Tensor:
-        ids = torch.tensor([list(feed)], dtype=torch.long, device=self.loaded.device)
+        ids = torch.tensor(list(feed), dtype=torch.long, device=self.loaded.device)
         with self.loaded.lock:
-            out = self.loaded.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep_last)
+            if self.loaded.lean:
+                return self.loaded.lean(ids, self.cache, keep_last)
+            out = self.loaded.model(input_ids=ids[None], cache=self.cache, use_cache=True, logits_to_keep=keep_last)
         return out.logits[0].float()
 
     def append(self, ids: Sequence[int]) -> None:

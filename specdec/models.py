@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec import int4, int8, registry, tiny
+from specdec import int4, int8, lean, registry, tiny
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.tokenizer_fingerprint import tokenizer_fingerprint
 
@@ -39,6 +39,7 @@ class LoadedModel:
     max_context: int
     eos_token_ids: tuple[int, ...]
     fingerprint: str
+    lean: lean.LeanForward | None = None  # None: transformers' forward
     # One forward at a time per model: CPU forwards from several threads only
     # fight over the same cores, and it keeps per-session caches simple.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -76,6 +77,7 @@ def _load_weights(name: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel,
 
 
 QUANTIZE = ("none", "int8", "int4")
+FORWARDS = ("lean", "hf")
 
 
 def gguf_source(name: str) -> pathlib.Path | None:
@@ -89,11 +91,13 @@ def gguf_source(name: str) -> pathlib.Path | None:
 
 
 def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize: str = "none",
-               head_vocab: int = 0) -> LoadedModel:
+               head_vocab: int = 0, forward: str = "lean") -> LoadedModel:
     if dtype not in DTYPES:
         raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if quantize not in QUANTIZE:
         raise InvalidArgument(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    if forward not in FORWARDS:
+        raise InvalidArgument(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
     torch_device = torch.device(device)
     model, tokenizer = _load_weights(name, DTYPES[dtype])
     model = model.to(torch_device).eval()
@@ -105,8 +109,8 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
         if torch_device.type != "cpu":
             raise InvalidArgument("--quantize int4 runs torch's CPU int4 kernel; on CUDA use int8 or none for now")
         report = int4.quantize_from_gguf(model, str(source))
-        log.info("%s: int4 from Q4_K blocks on %d Linear layers; %d kept as loaded (other GGUF types), "
-                 "%d did not match their GGUF tensor and were kept", name, report["int4"], report["kept"],
+        log.info("%s: int4 from Q4_K blocks on %d Linear layers; %d in int8 (other GGUF types), "
+                 "%d did not match their GGUF tensor and were kept", name, report["int4"], report["int8"],
                  report["mismatched"])
         dtype = f"{dtype}+int4"
     vocab = tokenizer.get_vocab()
@@ -119,11 +123,17 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
     if vocab_size > model_vocab:
         raise FailedPrecondition(
             f"{name}: tokenizer has {vocab_size} ids but the model only {model_vocab} output rows")
+    lean_forward = None
+    if forward == "lean":
+        if (why_not := lean.supports(model)) is None:
+            lean_forward = lean.LeanForward(model)
+        else:
+            log.info("%s: transformers' forward (%s)", name, why_not)
     loaded = LoadedModel(
         name=name, model=model, tokenizer=tokenizer, dtype=dtype, device=torch_device, quantization=quantize,
         vocab_size=vocab_size, model_vocab_size=model_vocab,
         max_context=int(getattr(model.config, "max_position_embeddings", 2048)),
-        eos_token_ids=_eos_ids(model, tokenizer), fingerprint=tokenizer_fingerprint(tokenizer))
-    log.info("loaded %s (%s, %s, quantize=%s, head_vocab=%s, vocab %d/%d)", name, dtype, device, quantize,
-             head_vocab or "all", vocab_size, model_vocab)
+        eos_token_ids=_eos_ids(model, tokenizer), fingerprint=tokenizer_fingerprint(tokenizer), lean=lean_forward)
+    log.info("loaded %s (%s, %s, quantize=%s, head_vocab=%s, vocab %d/%d, %s forward)", name, dtype, device,
+             quantize, head_vocab or "all", vocab_size, model_vocab, "lean" if lean_forward else "transformers'")
     return loaded

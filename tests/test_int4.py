@@ -7,6 +7,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from specdec.int4 import Int4Linear, q4k_codes
+from specdec.int8 import Int8WeightOnlyLinear
 
 
 def random_q4k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -64,7 +65,7 @@ def write_gguf(path, tensors: dict) -> None:
     writer.close()
 
 
-def test_linears_whose_gguf_tensor_is_q4k_are_replaced_and_checked_first(tmp_path):
+def test_q4k_linears_go_int4_others_int8_each_checked_first(tmp_path):
     from gguf.quants import quantize
     from specdec.int4 import quantize_from_gguf
 
@@ -80,8 +81,10 @@ def test_linears_whose_gguf_tensor_is_q4k_are_replaced_and_checked_first(tmp_pat
     up, q = random_q4k(64, 256, seed=2), random_q4k(256, 256, seed=3)
     down = quantize(np.random.default_rng(4).standard_normal((256, 64)).astype(np.float32),
                     GGMLQuantizationType.Q8_0)
+    down_weight = torch.from_numpy(dequantize(down, GGMLQuantizationType.Q8_0).reshape(256, 64))
     with torch.no_grad():  # the model holds what a loader made of the GGUF; q_proj as if permuted
         layer.mlp.up_proj.weight.copy_(torch.from_numpy(dequantize(up, GGMLQuantizationType.Q4_K).reshape(64, 256)))
+        layer.mlp.down_proj.weight.copy_(down_weight)
         layer.self_attn.q_proj.weight.copy_(torch.from_numpy(
             dequantize(q, GGMLQuantizationType.Q4_K).reshape(256, 256)[torch.randperm(256)].copy()))
     path = tmp_path / "model.gguf"
@@ -91,11 +94,26 @@ def test_linears_whose_gguf_tensor_is_q4k_are_replaced_and_checked_first(tmp_pat
     x = torch.randn(3, 256)
     before = layer.mlp.up_proj(x).detach()
     report = quantize_from_gguf(model, str(path))
-    assert report == {"int4": 1, "kept": 1, "mismatched": 1}
+    assert report == {"int4": 1, "int8": 1, "mismatched": 1}
     assert isinstance(layer.mlp.up_proj, Int4Linear) and layer.mlp.up_proj.bias is not None
-    assert isinstance(layer.mlp.down_proj, torch.nn.Linear) and isinstance(layer.self_attn.q_proj, torch.nn.Linear)
+    assert isinstance(layer.mlp.down_proj, Int8WeightOnlyLinear)
+    assert isinstance(layer.self_attn.q_proj, torch.nn.Linear)  # mismatched: left as it was
     after = layer.mlp.up_proj(x)
     assert ((after - before).abs() <= 0.02 * (x.abs() @ layer.mlp.up_proj.dequantized().abs().t()) + 0.02).all()
+    h = torch.randn(3, 64)
+    assert torch.allclose(layer.mlp.down_proj(h), h @ down_weight.t(), rtol=0.03, atol=0.03 * h.abs().max() * 8)
+
+
+def test_concat_computes_the_parts_side_by_side_and_the_parts_still_work():
+    parts = [Int4Linear.from_q4k(random_q4k(rows, 256, seed=rows), rows, 256, torch.randn(rows))
+             for rows in (64, 128, 32)]
+    assert not Int4Linear.concatenable([parts[2], parts[0]])  # a partial 64-row block only last
+    x = torch.randn(5, 256)
+    separate = [p(x) for p in parts]
+    fused = Int4Linear.concat(parts)
+    assert torch.equal(fused(x), torch.cat(separate, dim=-1))
+    assert all(torch.equal(p(x), s) for p, s in zip(parts, separate))  # now views into the fused buffers
+    assert all(p.packed.untyped_storage().data_ptr() == fused.packed.untyped_storage().data_ptr() for p in parts)
 
 
 def test_int4_needs_a_gguf_source_and_says_so():

@@ -9,26 +9,23 @@ from tests.test_draft_session import greedy_continuation
 from tests.test_kv_cache import PROMPT, full_logits
 
 
-def count_fed_tokens(loaded):
+def count_fed_tokens(loaded) -> tuple[list[int], object]:
+    """Tokens per forward, seen at the embedding (which every forward path calls once)."""
     fed: list[int] = []
-    original = loaded.model.forward
-
-    def spy(*args, **kwargs):
-        fed.append(kwargs["input_ids"].shape[1])
-        return original(*args, **kwargs)
-    return fed, spy, original
+    handle = loaded.model.get_input_embeddings().register_forward_hook(
+        lambda module, inputs, output: fed.append(inputs[0].numel()))
+    return fed, handle
 
 
 def test_verify_scores_the_draft_in_one_pass_and_rolls_back(tiny_target):
     session = TargetSession(tiny_target, PROMPT)
     truth = greedy_continuation(tiny_target, PROMPT, 3)
     draft = [truth[0], (truth[1] + 1) % tiny_target.vocab_size, 7, 8]   # second one is wrong
-    fed, spy, original = count_fed_tokens(tiny_target)
-    tiny_target.model.forward = spy
+    fed, handle = count_fed_tokens(tiny_target)
     try:
         out = session.verify(draft, None, SamplingConfig())
     finally:
-        tiny_target.model.forward = original
+        handle.remove()
     assert fed == [1 + len(draft)]                 # the pending prompt token and the whole draft, once
     assert out.num_accepted == 1 and out.next_token_id == truth[1] and not out.bonus
     assert session.seq.tokens == PROMPT + truth[:2]

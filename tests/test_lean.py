@@ -1,0 +1,98 @@
+"""The lean forward: the same logits as transformers' forward, over a static cache
+that rolls back by moving its length; q/k/v and gate/up fused where int4 allows."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from specdec import lean
+from specdec.int4 import GROUP, Int4Linear
+from specdec.kv_cache import SequenceCache
+from specdec.models import load_model
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens])).logits[0].float()
+
+
+def test_tiny_models_run_the_lean_forward_by_default_and_transformers_on_request():
+    assert load_model("tiny-target").lean is not None
+    assert load_model("tiny-target", forward="hf").lean is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_lean_logits_equal_transformers_over_prefill_verify_and_rollback(tiny_target, rows):
+    forward = tiny_target.lean
+    cache = forward.new_cache()
+    tokens = list(range(40, 90))
+    forward(torch.tensor(tokens[:30]), cache, keep_last=1)                  # prefill
+    got = forward(torch.tensor(tokens[30:30 + rows]), cache, keep_last=rows)
+    assert torch.allclose(got, hf_logits(tiny_target.model, tokens[:30 + rows])[-rows:], atol=1e-5)
+    cache.crop(31)                                                           # reject all but one
+    assert cache.get_seq_length() == 31
+    got = forward(torch.tensor([7, 8]), cache, keep_last=2)
+    assert torch.allclose(got, hf_logits(tiny_target.model, tokens[:31] + [7, 8])[-2:], atol=1e-5)
+
+
+def test_the_cache_grows_past_its_chunk_and_keeps_what_it_held(tiny_target):
+    forward = tiny_target.lean
+    tokens = [(i * 37) % 500 + 3 for i in range(lean.CHUNK + 40)]
+    cache = forward.new_cache()
+    for start in range(0, len(tokens) - 1, 50):                              # grows several times
+        forward(torch.tensor(tokens[start:min(start + 50, len(tokens) - 1)]), cache, keep_last=1)
+    assert cache.buffer.shape[3] >= len(tokens) - 1 and cache.buffer.shape[3] % lean.CHUNK == 0
+    got = forward(torch.tensor(tokens[-1:]), cache, keep_last=1)[0]
+    assert torch.allclose(got, hf_logits(tiny_target.model, tokens)[-1], atol=1e-4)
+
+
+def test_sequence_cache_restore_crops_the_static_cache(tiny_target):
+    seq = SequenceCache(tiny_target, [5, 6, 7, 8])
+    seq.prefill()
+    before = seq.snapshot()
+    seq.forward([9, 10, 11], keep_last=1)
+    seq.restore(before)
+    assert seq.cached == 4 and seq.tokens == [5, 6, 7, 8]  # what still matches stays cached
+    assert torch.allclose(seq.forward([12], keep_last=1)[0], hf_logits(tiny_target.model, [5, 6, 7, 8, 12])[-1],
+                          atol=1e-5)
+
+
+def _int4_everywhere(model: torch.nn.Module) -> None:
+    """Every decoder Linear to int4 group-32 (min/max codes): enough to exercise fusion."""
+    for parent in list(model.model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                w = child.weight.detach().float()
+                groups = w.view(w.shape[0], -1, GROUP)
+                low, high = groups.amin(-1), groups.amax(-1)
+                scale = ((high - low) / 15).clamp(min=1e-6)
+                codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).view_as(w)
+                setattr(parent, name, Int4Linear(codes.to(torch.uint8), scale, -low, child.bias))
+
+
+def test_int4_qkv_and_gate_up_are_fused_and_give_transformers_logits():
+    config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    _int4_everywhere(model)
+    reference = hf_logits(model, list(range(3, 40)))[-4:]
+    forward = lean.LeanForward(model)
+    assert all(layer.qkv is not None and layer.gate_up is not None for layer in forward.layers)
+    cache = forward.new_cache()
+    forward(torch.arange(3, 36), cache, keep_last=1)
+    got = forward(torch.arange(36, 40), cache, keep_last=4)
+    assert torch.equal(got.argmax(-1), reference.argmax(-1))
+    assert (got - reference).abs().max() < 0.05 * reference.abs().max()
+    # The unfused modules now read the fused buffers and still compute the same thing.
+    assert torch.allclose(hf_logits(model, list(range(3, 40)))[-4:], reference)
+
+
+def test_other_families_say_why_they_take_transformers_forward():
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    assert lean.supports(model) is None
+    model.config.model_type = "gpt2"
+    assert "gpt2" in lean.supports(model)
