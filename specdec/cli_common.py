@@ -55,7 +55,11 @@ def add_model_args(parser: argparse.ArgumentParser, default_quantize: str) -> No
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--quantize", default=default_quantize, choices=["none", "int8", "int4"],
                         help="int8: specdec's INT8 (the drafter's default in pairs); int4: the GGUF's own Q4_K "
-                             "blocks on torch's int4 kernel (CPU), other tensors as loaded")
+                             "blocks on torch's int4 kernel (CPU), tensors stored at higher precision in int8. "
+                             "Converted once and kept in the model cache")
+    parser.add_argument("--forward", default="lean", choices=["lean", "hf"],
+                        help="lean: specdec's forward for Llama/Qwen2 over a static KV cache (others fall back "
+                             "to transformers'); hf: transformers' forward")
     parser.add_argument("--head-vocab", type=int, default=0,
                         help="with --quantize int8: restrict the LM head to the N lowest (most frequent) ids "
                              "plus special tokens (0 = whole vocabulary); lossless, it only changes what is proposed")
@@ -78,7 +82,7 @@ def run_model_service(name: str, args: argparse.Namespace,
     try:
         tls = server_tls(args)
         loaded: LoadedModel = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
-                                        head_vocab=args.head_vocab)
+                                        head_vocab=args.head_vocab, forward=args.forward)
         running = serve(loaded, host=args.host, port=args.port, session_ttl_s=args.session_ttl,
                         max_sessions=args.max_sessions, tls=tls, uds=args.uds)
         start_health(running, args)

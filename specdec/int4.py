@@ -181,3 +181,20 @@ def quantize_from_gguf(model: nn.Module, gguf_path: str) -> dict[str, int]:
         # The LM head is its own int8 module now; the embedding keeps its rows.
         model.config.tie_word_embeddings = False
     return report
+
+
+def quantize_cuda(model: nn.Module) -> nn.Module:
+    """On CUDA: torchao's int4 weight-only kernel, group 32, every Linear but the LM head.
+
+    torchao packs from the weights as loaded, so this is a second rounding of the
+    Q4_K values (the CPU path carries the codes over instead); the LM head stays
+    in the loaded dtype. Not exercised on this project's CPU machines."""
+    from specdec.errors import FailedPrecondition
+    try:
+        from torchao.quantization import Int4WeightOnlyConfig, quantize_
+    except ImportError as error:
+        raise FailedPrecondition("--quantize int4 on cuda needs torchao: pip install torchao") from error
+    head = model.get_output_embeddings()
+    quantize_(model, Int4WeightOnlyConfig(group_size=GROUP),
+              filter_fn=lambda module, _: isinstance(module, nn.Linear) and module is not head)
+    return model

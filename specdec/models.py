@@ -6,6 +6,7 @@ message saying what is accepted.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import pathlib
 import threading
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec import int4, int8, lean, registry, tiny
+from specdec import int4, int8, lean, model_cache, registry, tiny
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.tokenizer_fingerprint import tokenizer_fingerprint
 
@@ -55,25 +56,46 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tupl
     return tuple(sorted(set(int(i) for i in ids)))
 
 
-def _load_weights(name: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    if name in tiny.TINY_NAMES:
-        model, tokenizer = tiny.build(name)
-        return model.to(torch_dtype), tokenizer
-    if name in registry.MODELS:
-        path = registry.pull(name)
-    else:
-        path = pathlib.Path(name).expanduser()
-    if path.is_dir() and (path / "config.json").exists():
-        return (AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True),
-                AutoTokenizer.from_pretrained(path, local_files_only=True))
-    if path.is_file() and path.suffix == ".gguf":
-        kwargs = dict(gguf_file=path.name, local_files_only=True)
-        return (AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch_dtype, **kwargs),
-                AutoTokenizer.from_pretrained(path.parent, **kwargs))
+def _source(name: str) -> pathlib.Path:
+    """The HF directory or .gguf file a model name stands for (pulling a registry model)."""
+    path = registry.pull(name) if name in registry.MODELS else pathlib.Path(name).expanduser()
+    if (path.is_dir() and (path / "config.json").exists()) or (path.is_file() and path.suffix == ".gguf"):
+        return path
     raise InvalidArgument(
         f"cannot load model {name!r}: expected an HF model directory (with config.json), a .gguf file, "
         f"or a registry name ({', '.join([*registry.MODELS, *tiny.TINY_NAMES])}); models are never fetched "
         "from a hub")
+
+
+def _from_pretrained(cls, path: pathlib.Path, **kwargs):
+    if path.is_dir():
+        return cls.from_pretrained(path, local_files_only=True, **kwargs)
+    return cls.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True, **kwargs)
+
+
+def _load_weights(name: str, torch_dtype: torch.dtype) -> PreTrainedModel:
+    if name in tiny.TINY_NAMES:
+        return tiny.build(name)[0].to(torch_dtype)
+    return _from_pretrained(AutoModelForCausalLM, _source(name), dtype=torch_dtype)
+
+
+def _load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    if name in tiny.TINY_NAMES:
+        return tiny.build_tokenizer(mismatch=name == "tiny-mismatch-draft")
+    return _from_pretrained(AutoTokenizer, _source(name))
+
+
+def _cache_root(name: str) -> pathlib.Path | None:
+    """Where a model's converted forms are kept: beside a registry model, or under
+    $SPECDEC_HOME for a local file (keyed by its path, size and time)."""
+    if name in tiny.TINY_NAMES:
+        return None  # built in a second; nothing to save
+    if name in registry.MODELS:
+        return registry.model_dir(registry.lookup(name))
+    path = _source(name).resolve()
+    stat = (path / "config.json" if path.is_dir() else path).stat()
+    digest = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return registry.home() / "converted-local" / digest
 
 
 QUANTIZE = ("none", "int8", "int4")
@@ -90,6 +112,21 @@ def gguf_source(name: str) -> pathlib.Path | None:
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
+def _quantized(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device,
+               quantize: str, head_vocab: int) -> PreTrainedModel:
+    if quantize == "int4" and device.type == "cuda":
+        int4.quantize_cuda(model)
+    elif quantize == "int4":
+        report = int4.quantize_from_gguf(model, str(gguf_source(name)))
+        log.info("%s: int4 from Q4_K blocks on %d Linear layers; %d in int8 (other GGUF types), "
+                 "%d did not match their GGUF tensor and were kept", name, report["int4"], report["int8"],
+                 report["mismatched"])
+    elif quantize == "int8":
+        special = [*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder, *_eos_ids(model, tokenizer)]
+        model = int8.quantize_model(model, device, head_vocab=head_vocab, special_ids=special)
+    return model
+
+
 def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize: str = "none",
                head_vocab: int = 0, forward: str = "lean") -> LoadedModel:
     if dtype not in DTYPES:
@@ -99,27 +136,27 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
     if forward not in FORWARDS:
         raise InvalidArgument(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
     torch_device = torch.device(device)
-    model, tokenizer = _load_weights(name, DTYPES[dtype])
-    model = model.to(torch_device).eval()
-    if quantize == "int4":
-        source = gguf_source(name)
-        if source is None:
-            raise InvalidArgument(f"--quantize int4 builds its weights from a GGUF's Q4_K blocks; {name!r} has no "
-                                  "GGUF source (give a .gguf file or a registry name)")
-        if torch_device.type != "cpu":
-            raise InvalidArgument("--quantize int4 runs torch's CPU int4 kernel; on CUDA use int8 or none for now")
-        report = int4.quantize_from_gguf(model, str(source))
-        log.info("%s: int4 from Q4_K blocks on %d Linear layers; %d in int8 (other GGUF types), "
-                 "%d did not match their GGUF tensor and were kept", name, report["int4"], report["int8"],
-                 report["mismatched"])
-        dtype = f"{dtype}+int4"
+    if quantize == "int4" and gguf_source(name) is None:
+        raise InvalidArgument(f"--quantize int4 builds its weights from a GGUF's Q4_K blocks; {name!r} has no "
+                              "GGUF source (give a .gguf file or a registry name)")
+    tokenizer = _load_tokenizer(name)
+    settings = dict(quantize=quantize, dtype=dtype, head_vocab=head_vocab if quantize == "int8" else 0)
+    root = _cache_root(name) if quantize != "none" and torch_device.type == "cpu" else None
+    entry = model_cache.entry_dir(root, settings) if root else None
+    model = model_cache.load(entry) if entry else None
+    if model is None:
+        model = _quantized(name, _load_weights(name, DTYPES[dtype]).to(torch_device).eval(), tokenizer,
+                           torch_device, quantize, head_vocab)
+        if entry:
+            try:
+                model_cache.save(model, entry, settings)
+            except OSError as error:
+                log.warning("could not save the converted model to %s (%s); the next start converts again",
+                            entry, error)
+    dtype = {"int4": f"{dtype}+int4", "int8": "fp32+int8"}.get(quantize, dtype)
     vocab = tokenizer.get_vocab()
     vocab_size = max(vocab.values()) + 1
     model_vocab = int(model.get_input_embeddings().weight.shape[0])
-    if quantize == "int8":
-        special = [*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder, *_eos_ids(model, tokenizer)]
-        model = int8.quantize_model(model, torch_device, head_vocab=head_vocab, special_ids=special)
-        dtype = "fp32+int8"
     if vocab_size > model_vocab:
         raise FailedPrecondition(
             f"{name}: tokenizer has {vocab_size} ids but the model only {model_vocab} output rows")

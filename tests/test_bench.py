@@ -15,9 +15,10 @@ QUESTIONS = [
     {"question_id": 4, "category": "writing", "turns": ["Once upon a time there was a small model.", "More."]},
 ]
 
-pytestmark = pytest.mark.integration  # real processes or real weights
+integration = pytest.mark.integration  # real processes or real weights
 
 
+@integration
 def test_bench_quick_on_the_tiny_pair(tmp_path, capsys):
     questions = tmp_path / "questions.jsonl"
     questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS))
@@ -58,6 +59,7 @@ def test_bench_quick_on_the_tiny_pair(tmp_path, capsys):
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@integration
 def test_bench_replica_is_the_noise_floor_and_tasks_pool_mt_bench(tmp_path):
     questions = tmp_path / "questions.jsonl"
     questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS))
@@ -96,3 +98,24 @@ def test_per_task_spreads_over_categories_and_takes_each_at_least_once(tmp_path)
     assert ids(limit=None, per_task=2, skip=1) == ["w2", "c2", "q2", "q3"]  # a second sample of prompts
     assert ids(limit=None, per_task=2, skip=2) == ["q3"]
     assert bench.task_of("roleplay") == "mt_bench" and bench.task_of("rag") == "rag"
+
+
+def test_each_system_is_held_to_the_greedy_output_of_its_own_stack():
+    assert bench.reference_of("spec-auto") == "target-only"
+    assert bench.reference_of("spec-auto-bf16") == "target-only-bf16"
+    assert bench.reference_of("hf-assisted") == "hf-generate"
+    assert bench.reference_of("llama-cpp-spec") is None and bench.reference_of("target-only") is None
+
+    def run(system, tokens, seconds=1.0):
+        return bench.Run(system, "1", "qa", 0.0, len(tokens), seconds, tokens, rounds=1, draft_tokens=2,
+                         accepted_tokens=1)
+    runs = [run("target-only", [1, 2, 3]), run("spec-auto", [1, 2, 3], 0.5),
+            run("target-only-bf16", [1, 2, 4], 2.0), run("spec-auto-bf16", [1, 2, 4]),
+            run("llama-cpp", [9, 9, 9], 0.25)]
+    systems = [r.system for r in runs]
+    rows = {r["system"]: r for r in bench.summarize(runs, systems) if r["category"] == "all"}
+    assert rows["spec-auto"]["greedy_identical"] == "1/1" and rows["spec-auto-bf16"]["greedy_identical"] == "1/1"
+    assert "greedy_identical" not in rows["llama-cpp"]
+    assert rows["spec-auto"]["speedup_vs_target_only"] == 2.0
+    assert rows["spec-auto"]["speedup_vs_target_only_bf16"] == 4.0
+    assert rows["llama-cpp"]["speedup_vs_target_only"] == 4.0

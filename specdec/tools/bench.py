@@ -11,9 +11,17 @@ in an order rotated per prompt, so drift in machine load is shared):
                identical work, so its distance from spec-gN and from the best
                fixed gamma is the run's own noise floor
   target-only  the same services with speculation off
-  hf-generate  in-process transformers `generate()` with the same target weights
+  target-only-bf16, spec-auto-bf16  (unless --no-bf16) a second stack with the
+               previous default's settings: the target in bf16 and transformers'
+               forward in both model services (`specdec up --target-quantize none
+               --forward hf`), so each figure has its "before" in the same run
+  hf-generate  in-process transformers `generate()` with the target in bf16
   hf-assisted  in-process transformers assisted generation, `assistant_model=`
                the same (INT8) draft weights: the peer a user would otherwise pick
+  llama-cpp    (--llama-cpp) llama.cpp through llama-cpp-python on the target's
+               own GGUF file: the fastest CPU engine, target alone
+  llama-cpp-spec  (--llama-cpp) the same with the pair's draft GGUF through the
+               binding's draft hook (greedy drafts of 4 tokens)
 
 Results are grouped by category and by Spec-Bench task: the eight MT-bench
 categories pool into `mt_bench`, as Spec-Bench itself reports them; the other
@@ -36,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from specdec.tools import launcher
-from specdec.models import LoadedModel, load_model
+from specdec.models import LoadedModel, gguf_source, load_model
 from specdec.pairs import PAIRS
 from specdec.serving import channel
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -44,6 +52,10 @@ from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 DEFAULT_QUESTIONS = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / \
     "questions_dev.jsonl"
 TARGET_ONLY, HF_GENERATE, HF_ASSISTED, AUTO = "target-only", "hf-generate", "hf-assisted", "spec-auto"
+BF16 = "-bf16"
+TARGET_ONLY_BF16, AUTO_BF16 = TARGET_ONLY + BF16, AUTO + BF16
+LLAMA_CPP, LLAMA_CPP_SPEC = "llama-cpp", "llama-cpp-spec"
+LLAMA_CPP_DRAFT = 4  # tokens per round for llama-cpp-spec
 AUTO_NOSTOP = "spec-auto-nostop"
 REPLICA = "-replica"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -128,19 +140,20 @@ class ServiceSystems:
         self.max_new_tokens = max_new_tokens
 
     def run(self, system: str, question: Question, temperature: float, seed: int, prompt_ids: list[int]) -> Run:
+        mode = system.removesuffix(BF16)  # the bf16 stack serves the same systems
         request = coordinator_pb2.GenerateRequest(max_new_tokens=self.max_new_tokens)
         request.messages.messages.add(role="user", content=question.prompt)
         request.sampling.CopyFrom(common_pb2.SamplingParams(temperature=temperature, seed=seed))
-        if system == TARGET_ONLY:
+        if mode == TARGET_ONLY:
             request.speculation.enabled = False
-        elif system in (AUTO, AUTO_NOSTOP):
+        elif mode in (AUTO, AUTO_NOSTOP):
             # No gamma: the coordinator's default, auto. A seeded sample would be
             # served at a fixed gamma (reproducibility), so auto runs unseeded.
             request.sampling.ClearField("seed")
-            if system == AUTO_NOSTOP:
+            if mode == AUTO_NOSTOP:
                 request.speculation.confidence_stop = False
         else:
-            request.speculation.gamma = int(system.removeprefix("spec-g").removesuffix(REPLICA))
+            request.speculation.gamma = int(mode.removeprefix("spec-g").removesuffix(REPLICA))
         start = time.perf_counter()
         response = self.stub.Generate(request, timeout=3600)
         seconds = time.perf_counter() - start
@@ -180,6 +193,73 @@ class InProcessSystems:
         return Run(system, question.question_id, question.category, temperature, cut, seconds, new[:cut])
 
 
+class LlamaCppSystems:
+    """llama-cpp and llama-cpp-spec: llama.cpp on the pair's GGUF files, in this process,
+    same prompt ids. The binding's draft hook takes any proposer; here it is the draft
+    GGUF, greedy, LLAMA_CPP_DRAFT tokens a round (the binding asks for logits of every
+    row then, prefill included: its cost, not ours)."""
+
+    def __init__(self, target_gguf: pathlib.Path, draft_gguf: pathlib.Path | None, threads: int,
+                 max_new_tokens: int, eos_ids: tuple[int, ...], context: int):
+        try:
+            from llama_cpp import Llama
+        except ImportError as error:
+            raise SystemExit("bench: --llama-cpp needs llama-cpp-python: pip install llama-cpp-python "
+                             "(it compiles llama.cpp; a few minutes)") from error
+        options = dict(n_threads=threads, n_threads_batch=threads, n_ctx=context, verbose=False)
+        self.engines = {LLAMA_CPP: Llama(model_path=str(target_gguf), **options)}
+        if draft_gguf is not None:
+            draft = _LlamaCppDraft(Llama(model_path=str(draft_gguf), **options), LLAMA_CPP_DRAFT)
+            self.engines[LLAMA_CPP_SPEC] = Llama(model_path=str(target_gguf), draft_model=draft, **options)
+        self.max_new_tokens, self.eos = max_new_tokens, set(eos_ids)
+
+    def run(self, system: str, question: Question, temperature: float, seed: int, prompt_ids: list[int]) -> Run:
+        llm = self.engines[system]
+        llm.reset()  # no prefix reuse from the previous run
+        if llm.draft_model is not None:
+            llm.draft_model.llm.reset()
+        llm.set_seed(seed)
+        sampling = dict(temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0)
+        out: list[int] = []
+        start = time.perf_counter()
+        for token in llm.generate(prompt_ids, reset=True, **sampling):
+            if token in self.eos:
+                break
+            out.append(token)
+            if len(out) >= self.max_new_tokens:
+                break
+        seconds = time.perf_counter() - start
+        return Run(system, question.question_id, question.category, temperature, len(out), seconds, out)
+
+
+class _LlamaCppDraft:
+    """A draft model for llama-cpp-python's `draft_model` hook: another GGUF, greedy.
+    Its KV cache follows the target's by prefix match (the binding keeps what matches)."""
+
+    def __init__(self, llm, num_tokens: int):
+        self.llm, self.num_tokens = llm, num_tokens
+
+    def __call__(self, input_ids, **kwargs):
+        import numpy as np
+        drafted = []
+        for token in self.llm.generate(input_ids.tolist(), reset=False, temp=0.0, top_k=1):
+            drafted.append(token)
+            if len(drafted) >= self.num_tokens:
+                break
+        return np.array(drafted, dtype=np.intc)
+
+
+def reference_of(system: str) -> str | None:
+    """The system whose greedy output `system` must reproduce token for token, if any:
+    speculation against target-only of the same stack, assisted against plain
+    generate. llama.cpp computes with other kernels, so nothing is expected of it."""
+    if system.startswith(LLAMA_CPP) or system in (TARGET_ONLY, TARGET_ONLY_BF16, HF_GENERATE):
+        return None
+    if system == HF_ASSISTED:
+        return HF_GENERATE
+    return TARGET_ONLY_BF16 if system.endswith(BF16) else TARGET_ONLY
+
+
 def chat_ids(tokenizer, prompt: str) -> list[int]:
     """The coordinator's own recipe for `messages` (template as text, then encode)."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
@@ -196,7 +276,7 @@ def summarize(runs: list[Run], systems: list[str]) -> list[dict]:
     for run in runs:
         for category in dict.fromkeys((run.category, task_of(run.category), "all")):
             by_key[(category, run.temperature, run.system)].append(run)
-    reference = {(r.question_id, r.temperature): r for r in runs if r.system == TARGET_ONLY}
+    reference = {(r.system, r.question_id, r.temperature): r for r in runs}
     rows = []
     for (category, temperature, system), group in sorted(by_key.items(), key=lambda kv: (
             kv[0][0] == "all", task_of(kv[0][0]) == kv[0][0], kv[0][0], kv[0][1], systems.index(kv[0][2]))):
@@ -213,15 +293,16 @@ def summarize(runs: list[Run], systems: list[str]) -> list[dict]:
                        prefill_share=round(prefill_s / seconds, 3),
                        draft_share=round(draft_s / seconds, 3), verify_share=round(verify_s / seconds, 3),
                        overhead_share=round(1 - (prefill_s + draft_s + verify_s) / seconds, 3))
-        if temperature == 0 and system != TARGET_ONLY:
-            same = [r.token_ids == reference[(r.question_id, r.temperature)].token_ids for r in group
-                    if (r.question_id, r.temperature) in reference]
+        if temperature == 0 and reference_of(system):
+            same = [r.token_ids == reference[key].token_ids for r in group
+                    if (key := (reference_of(system), r.question_id, r.temperature)) in reference]
             row["greedy_identical"] = f"{sum(same)}/{len(same)}"
         rows.append(row)
     speed = {(r["category"], r["temperature"], r["system"]): r["tokens_per_second"] for r in rows}
     for row in rows:
         key = (row["category"], row["temperature"])
-        for name, base in (("speedup_vs_target_only", TARGET_ONLY), ("speedup_vs_hf_assisted", HF_ASSISTED)):
+        for name, base in (("speedup_vs_target_only", TARGET_ONLY), ("speedup_vs_target_only_bf16", TARGET_ONLY_BF16),
+                           ("speedup_vs_hf_assisted", HF_ASSISTED)):
             if speed.get((*key, base)):
                 row[name] = round(row["tokens_per_second"] / speed[(*key, base)], 3)
     return rows
@@ -265,21 +346,21 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['questions']} questions, {meta['max_new_tokens']} new tokens, "
              f"temperatures {meta['temperatures']}, torch threads {meta['threads']}, {meta['wall_s']:.0f} s in all. "
              "tok/s counts output tokens over client-side wall time, prefill included.", ""]
-    header = ("| system | tok/s | vs target-only | vs hf-assisted | acceptance | mean acc. len | "
-              "prefill / draft / verify / overhead | greedy identical |")
+    header = ("| system | tok/s | vs target-only | vs target-only-bf16 | vs hf-assisted | acceptance | "
+              "mean acc. len | prefill / draft / verify / overhead | greedy identical |")
     for category in dict.fromkeys(r["category"] for r in rows):
         for temperature in dict.fromkeys(r["temperature"] for r in rows if r["category"] == category):
-            lines += [f"## {category}, T={temperature:g}", "", header, "|" + "---|" * 8]
+            lines += [f"## {category}, T={temperature:g}", "", header, "|" + "---|" * 9]
             for r in rows:
                 if r["category"] != category or r["temperature"] != temperature:
                     continue
                 split = " / ".join(f"{r[k + '_share']:.0%}" for k in ("prefill", "draft", "verify", "overhead")) \
                     if "draft_share" in r else ""
                 speedups = [f"{r[k]:.2f}x" if k in r else "" for k in (
-                    "speedup_vs_target_only", "speedup_vs_hf_assisted")]
+                    "speedup_vs_target_only", "speedup_vs_target_only_bf16", "speedup_vs_hf_assisted")]
                 lines.append(
-                    f"| {r['system']} | {r['tokens_per_second']:.2f} | {speedups[0]} | "
-                    f"{speedups[1]} | {r.get('acceptance_rate', '')} | "
+                    f"| {r['system']} | {r['tokens_per_second']:.2f} | {' | '.join(speedups)} | "
+                    f"{r.get('acceptance_rate', '')} | "
                     f"{r.get('mean_accepted_length', '')} | {split} | {r.get('greedy_identical', '')} |")
             lines.append("")
     picks, keys = meta["best_gamma"], meta["temperature_keys"]
@@ -346,6 +427,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--no-hf", action="store_true", help="skip the in-process transformers baselines")
     p.add_argument("--no-target-only", action="store_true", help="skip target-only (no speedups against it)")
+    p.add_argument("--no-bf16", action="store_true",
+                   help="skip the second stack (bf16 target, transformers' forward: the previous default)")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="also run llama.cpp on the target's GGUF (needs llama-cpp-python)")
     p.add_argument("--replicate-gamma", type=int, metavar="N",
                    help="run spec-gN twice, as spec-gN and spec-gN-replica: the run's own noise floor")
     p.add_argument("--ablate-confidence-stop", action="store_true",
@@ -373,8 +458,12 @@ def main(argv: list[str] | None = None) -> int:
     categories = args.categories.split(",") if args.categories else None
     questions = load_questions(args.questions, categories, args.limit, args.per_task, args.skip)
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    systems = [f"spec-g{int(g)}" for g in args.gammas.split(",")] + [AUTO] + ([] if args.no_target_only else [
-        TARGET_ONLY])
+    systems = [f"spec-g{int(g)}" for g in args.gammas.split(",") if g] + [AUTO] + (
+        [] if args.no_target_only else [TARGET_ONLY])
+    if not args.no_bf16 and pair.target_quantize != "none":
+        systems += [AUTO_BF16, TARGET_ONLY_BF16]
+    if args.llama_cpp:
+        systems += [LLAMA_CPP, LLAMA_CPP_SPEC]
     if args.replicate_gamma is not None:
         systems.insert(systems.index(AUTO), f"spec-g{args.replicate_gamma}{REPLICA}")
     if args.ablate_confidence_stop:
@@ -385,11 +474,18 @@ def main(argv: list[str] | None = None) -> int:
     launcher.pull_models([pair.draft, pair.target], say=say)
     options = launcher.StackOptions.for_pair(pair, port=0, threads=args.threads)
     stack = launcher.Stack(options)
+    stacks = [stack]
     started = time.perf_counter()
     try:
         say(f"starting the {args.pair} services")
         coordinator = stack.launch()
         services = ServiceSystems(coordinator.address, args.max_new_tokens)
+        bf16_services = None
+        if AUTO_BF16 in systems:
+            say("starting the bf16 stack (bf16 target, transformers' forward)")
+            stacks.append(launcher.Stack(launcher.StackOptions.for_pair(
+                pair, port=0, threads=args.threads, target_quantize="none", forward="hf")))
+            bf16_services = ServiceSystems(stacks[-1].launch().address, args.max_new_tokens)
         target = load_model(pair.target, dtype=pair.target_dtype)
         in_process = None
         if not args.no_hf:
@@ -398,6 +494,11 @@ def main(argv: list[str] | None = None) -> int:
             in_process = InProcessSystems(target, draft, args.max_new_tokens)
         runs: list[Run] = []
         prompts = {q: chat_ids(target.tokenizer, q.prompt) for q in questions}
+        llama = None
+        if args.llama_cpp:
+            context = min(max(len(p) for p in prompts.values()) + args.max_new_tokens + 64, target.max_context)
+            llama = LlamaCppSystems(gguf_source(pair.target), gguf_source(pair.draft), args.threads,
+                                    args.max_new_tokens, target.eos_token_ids, context)
         too_long = [q for q in questions if len(prompts[q]) + args.max_new_tokens > target.max_context]
         for q in too_long:
             say(f"skipping {q.category} q{q.question_id}: {len(prompts[q])} prompt tokens + {args.max_new_tokens} "
@@ -409,7 +510,9 @@ def main(argv: list[str] | None = None) -> int:
             for temperature in temperatures:
                 shift = (qi * len(temperatures) + temperatures.index(temperature)) % len(systems)
                 for system in systems[shift:] + systems[:shift]:
-                    runner = in_process if system in (HF_GENERATE, HF_ASSISTED) else services
+                    runner = (in_process if system in (HF_GENERATE, HF_ASSISTED) else
+                              llama if system.startswith(LLAMA_CPP) else
+                              bf16_services if system.endswith(BF16) else services)
                     run = runner.run(system, question, temperature, args.seed + qi, prompt_ids)
                     runs.append(run)
                     say(f"[{len(runs)}/{total} {time.perf_counter() - started:.0f} s] {question.category} "
@@ -418,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"({run.tokens_per_second:.2f} tok/s)")
         services.close()
     finally:
-        stack.stop()
+        for one in stacks:
+            one.stop()
     rows = summarize(runs, systems)
     picks = best_gamma(rows)
     tasks = sorted({task_of(q.category) for q in questions})

@@ -25,7 +25,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     pair = PAIRS[args.pair]
     options = launcher.StackOptions.for_pair(
         pair, draft_model=args.draft_model, target_model=args.target_model, draft_quantize=args.draft_quantize,
-        target_quantize=args.target_quantize,
+        target_quantize=args.target_quantize, forward=args.forward,
         head_vocab=args.head_vocab, device=args.device, host=args.host, port=args.port, gamma=args.gamma,
         gamma_max=args.gamma_max, trace_file=args.trace_file, ready_timeout_s=args.ready_timeout,
         model_transport=args.model_transport, coordinator_args=coordinator_passthrough(args))
@@ -167,6 +167,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--target-quantize", choices=["none", "int8", "int4"],
                     help="overrides the pair's setting (int4: the GGUF's own Q4_K blocks, CPU)")
     up.add_argument("--head-vocab", type=int, help="overrides the pair's INT8 draft head restriction")
+    up.add_argument("--forward", choices=["lean", "hf"],
+                    help="the model services' forward: lean (default; Llama/Qwen2 over a static KV cache) or hf "
+                         "(transformers')")
     up.add_argument("--gamma", default="auto", help="auto (adapted per request) or a fixed N")
     up.add_argument("--gamma-max", type=int, default=8, help="the most draft tokens auto picks per round")
     up.add_argument("--trace-file", help="all three services append OTLP-JSON spans here (see specdec traces)")

@@ -152,6 +152,7 @@ class StackOptions:
     draft_quantize: str
     head_vocab: int
     target_quantize: str = "none"
+    forward: str = "lean"  # the model services' forward: lean, or hf (transformers')
     device: str = "cpu"
     host: str = "127.0.0.1"
     port: int = 50051
@@ -206,7 +207,8 @@ class Stack:
         """Start all three and return the serving coordinator."""
         options = self.options
         tracing = ["--trace-file", options.trace_file] if options.trace_file else []
-        common = ["--device", options.device, "--threads", str(options.threads), *tracing]
+        common = ["--device", options.device, "--threads", str(options.threads), "--forward", options.forward,
+                  *tracing]
         # Both models load at once; the coordinator checks them once both serve.
         self.children.append(spawn("drafter", "drafter", [
             "--model", options.draft_model, "--dtype", options.pair.draft_dtype, "--quantize",

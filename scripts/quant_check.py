@@ -1,11 +1,12 @@
 #!/usr/bin/env python
-"""int4 from the GGUF's Q4_K blocks against the bf16 and fp32 de-quantized model,
-side by side in one run: forward time for 1, 4 and 5 rows after a prefill, and
-teacher-forced quality (top-1 agreement and mean KL against fp32) on Spec-Bench
-dev prompts, each followed by the fp32 model's own greedy continuation.
-Prints a table and writes JSON.
+"""Served weights against the fp32 de-quantized GGUF, side by side in one run:
+forward time for 1, 4 and 5 rows after a 200-token prefix (the forward the
+services run), and teacher-forced quality (top-1 agreement and mean KL against
+fp32) on Spec-Bench dev prompts, each followed by the fp32 model's own greedy
+continuation. Prints a table and writes JSON.
 
-  python scripts/int4_check.py [--model qwen2.5-coder-1.5b-instruct] [--prompts 4] [--new 48]
+  python scripts/quant_check.py --model qwen2.5-coder-1.5b-instruct --configs bf16:none,bf16:int4
+  python scripts/quant_check.py --model qwen2.5-coder-0.5b-instruct --configs fp32:int8,bf16:int4
 """
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ def forward_ms(loaded, prefix: list[int], rows: int, repeats: int = 6) -> float:
     return statistics.median(times)
 
 
-@torch.inference_mode()
-def logits(loaded, ids: list[int]) -> torch.Tensor:
-    return loaded.model(input_ids=torch.tensor([ids])).logits[0].float()
+def logits(loaded, ids: list[int], start: int) -> torch.Tensor:
+    """Logits predicting ids[start:] and one more, through the served forward: [len - start + 1, vocab]."""
+    seq = SequenceCache(loaded, ids[:start - 1])
+    return seq.forward(ids[start - 1:], keep_last=len(ids) - start + 1)
 
 
 def main() -> int:
@@ -47,7 +49,9 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="int4_check.json")
+    parser.add_argument("--configs", default="bf16:none,bf16:int4",
+                        help="dtype:quantize pairs to compare with fp32 (comma-separated)")
+    parser.add_argument("--out", default="quant_check.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the int4 conversion's report
@@ -62,15 +66,16 @@ def main() -> int:
         ids = tok.encode(text, add_special_tokens=False)
         out = reference.model.generate(torch.tensor([ids]), max_new_tokens=args.new, do_sample=False)
         texts.append((len(ids), out[0].tolist()))
-    ref_logits = [logits(reference, ids)[start - 1:] for start, ids in texts]
+    ref_logits = [logits(reference, ids, start) for start, ids in texts]
     prefix = (texts[0][1] * 4)[:200]
     results = {}
-    for name, kwargs in (("fp32", dict(dtype="fp32")), ("bf16", dict(dtype="bf16")),
-                         ("int4", dict(dtype="bf16", quantize="int4"))):
-        loaded = reference if name == "fp32" else load_model(args.model, **kwargs)
+    configs = [("fp32", "none"), *(tuple(c.split(":")) for c in args.configs.split(","))]
+    for dtype, quantize in configs:
+        name = dtype if quantize == "none" else f"{dtype}+{quantize}"
+        loaded = reference if name == "fp32" else load_model(args.model, dtype=dtype, quantize=quantize)
         agree, kl, n = 0, 0.0, 0
         for (start, ids), ref in zip(texts, ref_logits):
-            mine = logits(loaded, ids)[start - 1:]
+            mine = logits(loaded, ids, start)
             agree += int((mine.argmax(-1) == ref.argmax(-1)).sum())
             kl += float(torch.nn.functional.kl_div(mine.log_softmax(-1), ref.log_softmax(-1), log_target=True,
                                                    reduction="sum"))
@@ -81,9 +86,9 @@ def main() -> int:
             del loaded
     print(f"{args.model}, {args.threads} threads, 200-token prefix; quality teacher-forced on {args.prompts} dev "
           f"prompts x {args.new} tokens")
-    print(f"{'weights':8s} {'1 row':>9s} {'4 rows':>9s} {'5 rows':>9s} {'top-1 vs fp32':>14s} {'KL vs fp32':>11s}")
+    print(f"{'weights':10s} {'1 row':>9s} {'4 rows':>9s} {'5 rows':>9s} {'top-1 vs fp32':>14s} {'KL vs fp32':>11s}")
     for name, r in results.items():
-        print(f"{name:8s} {r['forward_ms_1_rows']:6.1f} ms {r['forward_ms_4_rows']:6.1f} ms "
+        print(f"{name:10s} {r['forward_ms_1_rows']:6.1f} ms {r['forward_ms_4_rows']:6.1f} ms "
               f"{r['forward_ms_5_rows']:6.1f} ms {r['top1_agreement_vs_fp32']:14.3f} {r['mean_kl_vs_fp32']:11.4f}")
     pathlib.Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")
