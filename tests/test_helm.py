@@ -197,3 +197,13 @@ def test_the_image_and_the_chart_agree():
     for container in pod["containers"] + pod["initContainers"]:
         entrypoint = container["command"][0]
         assert f'{entrypoint} = "' in pyproject, entrypoint
+
+
+def test_the_verifier_serves_int4_and_the_drafter_int8_by_default_as_the_default_pair():
+    (deployment,) = by_kind(render({}), "Deployment")
+    args = {c["name"]: c["args"] for c in deployment["spec"]["template"]["spec"]["containers"]}
+    assert "--quantize=int4" in args["verifier"] and "--dtype=bf16" in args["verifier"]
+    assert "--quantize=int8" in args["drafter"]
+    (deployment,) = by_kind(render({"verifier": {"quantize": "none"}}), "Deployment")
+    args = {c["name"]: c["args"] for c in deployment["spec"]["template"]["spec"]["containers"]}
+    assert "--quantize=none" in args["verifier"]

@@ -132,3 +132,14 @@ def test_a_gpu_stack_keeps_the_pairs_dtype_instead_of_cpu_int4():
     assert StackOptions.for_pair(PAIRS["qwen-coder"]).target_quantize == "int4"
     assert StackOptions.for_pair(PAIRS["qwen-coder"], device="cuda").target_quantize == "none"
     assert StackOptions.for_pair(PAIRS["qwen-coder"], device="cuda", target_quantize="int8").target_quantize == "int8"
+
+
+def test_int4_on_cuda_is_torchaos_and_says_how_to_get_it(monkeypatch):
+    import sys
+    import pytest
+    from specdec.errors import FailedPrecondition
+    from specdec.int4 import quantize_cuda
+    for name in ("torchao", "torchao.quantization"):
+        monkeypatch.setitem(sys.modules, name, None)  # as where it is not installed
+    with pytest.raises(FailedPrecondition, match="pip install torchao"):
+        quantize_cuda(torch.nn.Linear(64, 64))

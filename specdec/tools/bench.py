@@ -49,7 +49,7 @@ from specdec.pairs import PAIRS
 from specdec.serving import channel
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
-DEFAULT_QUESTIONS = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / \
+DEFAULT_QUESTIONS = pathlib.Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "spec_bench" / \
     "questions_dev.jsonl"
 TARGET_ONLY, HF_GENERATE, HF_ASSISTED, AUTO = "target-only", "hf-generate", "hf-assisted", "spec-auto"
 BF16 = "-bf16"
@@ -242,7 +242,7 @@ class _LlamaCppDraft:
     def __call__(self, input_ids, **kwargs):
         import numpy as np
         drafted = []
-        for token in self.llm.generate(input_ids.tolist(), reset=False, temp=0.0, top_k=1):
+        for token in self.llm.generate(input_ids.tolist(), reset=True, temp=0.0, top_k=1):  # keeps the matching prefix
             drafted.append(token)
             if len(drafted) >= self.num_tokens:
                 break

@@ -98,9 +98,7 @@ livenessProbe:
   args:
     - --model={{ ternary $root.Values.models.target $root.Values.models.draft (eq .component "verifier") }}
     - --dtype={{ $v.dtype }}
-    {{- if eq .component "drafter" }}
     - --quantize={{ $v.quantize }}
-    {{- end }}
     - --device={{ $v.device }}
     - --threads={{ $v.threads }}
     {{- if $split }}
