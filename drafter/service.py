@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 
+from specdec import torch_thread
 from specdec.errors import InvalidArgument
 from specdec.model_service import MAX_PROPOSE_TOKENS, ModelServiceBase, serve_model, validate_token_ids
 from specdec.models import LoadedModel
@@ -18,6 +19,7 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 
 class DrafterServicer(ModelServiceBase[DraftSession], drafter_pb2_grpc.DrafterServicer):
+    @torch_thread.runs_on_it  # the call's torch work, encoding the probabilities included
     def Propose(self, request, context) -> drafter_pb2.ProposeResponse:
         if request.num_tokens > MAX_PROPOSE_TOKENS:
             raise InvalidArgument(f"num_tokens={request.num_tokens} is over the limit of {MAX_PROPOSE_TOKENS}")

@@ -19,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from specdec.kv_cache import SequenceCache
+from specdec import torch_thread
 from specdec.models import load_model
 
 LINEAR_OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "quantized::linear_dynamic",
@@ -76,7 +77,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="forward_split.json")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    torch_thread.set_threads(args.threads)
     loaded = load_model(args.model, dtype=args.dtype, quantize=args.quantize, forward=args.forward)
     ids = loaded.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
                                   add_special_tokens=False)
@@ -93,4 +94,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(torch_thread.run(main))  # all of it on the process's torch thread

@@ -20,6 +20,7 @@ import time
 import torch
 
 from specdec.kv_cache import SequenceCache
+from specdec import torch_thread
 from specdec.models import load_model
 
 DEV = pathlib.Path(__file__).resolve().parent.parent.parent / "shared/data/spec_bench/questions_dev.jsonl"
@@ -53,7 +54,7 @@ def main() -> int:
                         help="dtype:quantize pairs to compare with fp32 (comma-separated)")
     parser.add_argument("--out", default="quant_check.json")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    torch_thread.set_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the int4 conversion's report
     reference = load_model(args.model, dtype="fp32")
     tok = reference.tokenizer
@@ -96,4 +97,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(torch_thread.run(main))  # all of it on the process's torch thread

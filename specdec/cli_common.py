@@ -6,9 +6,8 @@ import logging
 import sys
 from typing import Callable
 
-import torch
 
-from specdec import telemetry
+from specdec import telemetry, torch_thread
 from specdec.errors import SpecdecError
 from specdec.models import LoadedModel, load_model
 from specdec.security import ServerTls
@@ -77,7 +76,7 @@ def run_model_service(name: str, args: argparse.Namespace,
     setup_logging(name)
     log = logging.getLogger(name)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        torch_thread.set_threads(args.threads)
     telemetry.configure(name, args.trace_file)
     try:
         tls = server_tls(args)

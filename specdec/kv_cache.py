@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from transformers import DynamicCache
 
+from specdec import torch_thread
+
 if TYPE_CHECKING:
     from specdec.models import LoadedModel
 
@@ -50,11 +52,15 @@ class SequenceCache:
         return self._run(feed, keep_last)
 
     def _run(self, feed: Sequence[int], keep_last: int) -> torch.Tensor:
+        # On the process's torch thread (specdec.torch_thread), which also makes
+        # forwards one at a time: on the CPU, concurrent ones only fight over the cores.
+        return torch_thread.run(self._forward, feed, keep_last)
+
+    def _forward(self, feed: Sequence[int], keep_last: int) -> torch.Tensor:
         ids = torch.tensor(list(feed), dtype=torch.long, device=self.loaded.device)
-        with self.loaded.lock:
-            if self.loaded.lean:
-                return self.loaded.lean(ids, self.cache, keep_last)
-            out = self.loaded.model(input_ids=ids[None], cache=self.cache, use_cache=True, logits_to_keep=keep_last)
+        if self.loaded.lean:
+            return self.loaded.lean(ids, self.cache, keep_last)
+        out = self.loaded.model(input_ids=ids[None], cache=self.cache, use_cache=True, logits_to_keep=keep_last)
         return out.logits[0].float()
 
     def append(self, ids: Sequence[int]) -> None:

@@ -6,6 +6,7 @@ import logging
 from contextlib import contextmanager
 from typing import Callable, Generic, Iterator, Protocol, Sequence, TypeVar
 
+from specdec import torch_thread
 from specdec.errors import InvalidArgument
 from specdec.kv_cache import SequenceCache
 from specdec.models import LoadedModel
@@ -57,6 +58,7 @@ class ModelServiceBase(Generic[S]):
             self._tokenizer_files = tokenizer_files(self.loaded.tokenizer)
         return common_pb2.TokenizerFiles(files=self._tokenizer_files)
 
+    @torch_thread.runs_on_it  # the prefill, and the calls below: see specdec.torch_thread
     def StartSession(self, request, context) -> common_pb2.StartSessionResponse:
         prompt = list(request.prompt_token_ids)
         if not prompt:
@@ -107,6 +109,6 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
     running = start_server(lambda server: add_to_server(servicer, server), [service_name], host=host, port=port,
                            max_workers=max_sessions + 8, tls=tls, uds=uds)
     running.on_stop = store.close
-    warm_up(loaded)
+    torch_thread.run(warm_up, loaded)
     running.set_serving(True)
     return running

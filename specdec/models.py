@@ -9,13 +9,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import pathlib
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec import int4, int8, lean, model_cache, registry, tiny
+from specdec import int4, int8, lean, model_cache, registry, tiny, torch_thread
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.tokenizer_fingerprint import tokenizer_fingerprint
 
@@ -41,9 +40,6 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     fingerprint: str
     lean: lean.LeanForward | None = None  # None: transformers' forward
-    # One forward at a time per model: CPU forwards from several threads only
-    # fight over the same cores, and it keeps per-session caches simple.
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
@@ -127,6 +123,7 @@ def _quantized(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizer
     return model
 
 
+@torch_thread.runs_on_it  # see specdec.torch_thread: the process's torch work stays on one thread
 def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize: str = "none",
                head_vocab: int = 0, forward: str = "lean") -> LoadedModel:
     if dtype not in DTYPES:

@@ -33,6 +33,7 @@ def test_bench_quick_on_the_tiny_pair(tmp_path, capsys):
     # --quick: one question per category (the second coding question is left out), both temperatures.
     assert sorted({r["question_id"] for r in runs}) == ["1", "3"]
     assert len(runs) == 2 * 2 * len(systems)
+    assert len((out / "runs.jsonl").read_text().splitlines()) == len(runs)  # written as they ended
     assert all(0 < r["new_tokens"] <= 32 and r["seconds"] > 0 for r in runs)
 
     rows = {(r["category"], r["temperature"], r["system"]): r for r in report["summary"]}

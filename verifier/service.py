@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 
+from specdec import torch_thread
 from specdec.errors import InvalidArgument
 from specdec.model_service import MAX_PROPOSE_TOKENS, ModelServiceBase, serve_model, validate_token_ids
 from specdec.models import LoadedModel
@@ -18,6 +19,7 @@ MAX_DECODE_TOKENS = 4096
 
 
 class VerifierServicer(ModelServiceBase[TargetSession], verifier_pb2_grpc.VerifierServicer):
+    @torch_thread.runs_on_it  # the call's torch work, decoding the draft's probabilities included
     def Verify(self, request, context) -> verifier_pb2.VerifyResponse:
         sampling = sampling_from_proto(request.sampling)
         draft = list(request.draft_token_ids)
@@ -34,6 +36,7 @@ class VerifierServicer(ModelServiceBase[TargetSession], verifier_pb2_grpc.Verifi
         return verifier_pb2.VerifyResponse(num_accepted=out.num_accepted, next_token_id=out.next_token_id,
                                            bonus=out.bonus)
 
+    @torch_thread.runs_on_it
     def Decode(self, request, context) -> verifier_pb2.DecodeResponse:
         if not 0 < request.num_tokens <= MAX_DECODE_TOKENS:
             raise InvalidArgument(f"num_tokens must be in 1..{MAX_DECODE_TOKENS}, got {request.num_tokens}")

@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from specdec.tools import launcher
+from specdec import torch_thread
 from specdec.models import LoadedModel, gguf_source, load_model
 from specdec.pairs import PAIRS
 from specdec.serving import channel
@@ -174,6 +175,7 @@ class InProcessSystems:
     def __init__(self, target: LoadedModel, draft: LoadedModel, max_new_tokens: int):
         self.target, self.draft, self.max_new_tokens = target, draft, max_new_tokens
 
+    @torch_thread.runs_on_it  # where the models were loaded: one OpenMP team in this process
     def run(self, system: str, question: Question, temperature: float, seed: int, prompt_ids: list[int]) -> Run:
         ids = torch.tensor([prompt_ids], device=self.target.device)
         sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(
@@ -210,9 +212,14 @@ class LlamaCppSystems:
         self.engines = {LLAMA_CPP: Llama(model_path=str(target_gguf), **options)}
         if draft_gguf is not None:
             draft = _LlamaCppDraft(Llama(model_path=str(draft_gguf), **options), LLAMA_CPP_DRAFT)
-            self.engines[LLAMA_CPP_SPEC] = Llama(model_path=str(target_gguf), draft_model=draft, **options)
+            # logits_all=True said explicitly: the binding turns it on for a draft model but
+            # sizes its score buffer from the argument (n_batch rows), which a prompt
+            # longer than one batch overruns.
+            self.engines[LLAMA_CPP_SPEC] = Llama(model_path=str(target_gguf), draft_model=draft, logits_all=True,
+                                                 **options)
         self.max_new_tokens, self.eos = max_new_tokens, set(eos_ids)
 
+    @torch_thread.runs_on_it  # as the in-process transformers systems
     def run(self, system: str, question: Question, temperature: float, seed: int, prompt_ids: list[int]) -> Run:
         llm = self.engines[system]
         llm.reset()  # no prefix reuse from the previous run
@@ -453,7 +460,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    torch.set_num_threads(args.threads)
+    torch_thread.set_threads(args.threads)
     pair = PAIRS[args.pair]
     categories = args.categories.split(",") if args.categories else None
     questions = load_questions(args.questions, categories, args.limit, args.per_task, args.skip)
@@ -505,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"exceed the target's context window ({target.max_context})")
         questions = [q for q in questions if q not in too_long]
         total = len(questions) * len(temperatures) * len(systems)
+        args.out.mkdir(parents=True, exist_ok=True)
+        progress = open(args.out / "runs.jsonl", "w", encoding="utf-8")  # every run as it ends: a crash loses none
         for qi, question in enumerate(questions):
             prompt_ids = prompts[question]
             for temperature in temperatures:
@@ -515,11 +524,14 @@ def main(argv: list[str] | None = None) -> int:
                               bf16_services if system.endswith(BF16) else services)
                     run = runner.run(system, question, temperature, args.seed + qi, prompt_ids)
                     runs.append(run)
+                    progress.write(json.dumps(asdict(run)) + "\n")
+                    progress.flush()
                     say(f"[{len(runs)}/{total} {time.perf_counter() - started:.0f} s] {question.category} "
                         f"q{question.question_id} T={temperature:g} "
                         f"{system}: {run.new_tokens} tokens in {run.seconds:.1f} s "
                         f"({run.tokens_per_second:.2f} tok/s)")
         services.close()
+        progress.close()
     finally:
         for one in stacks:
             one.stop()

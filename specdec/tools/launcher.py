@@ -175,6 +175,11 @@ class StackOptions:
                       "target_quantize": pair.target_quantize, **given})
 
 
+def _dtype(pair_dtype: str, quantize: str) -> str:
+    # int4 runs its kernel on bf16 activations: the rest of the model runs bf16 too.
+    return "bf16" if quantize == "int4" else pair_dtype
+
+
 def pull_models(names: list[str], say=print) -> None:
     """Pull registry models once, here, rather than in two services at once."""
     for name in dict.fromkeys(names):
@@ -211,11 +216,12 @@ class Stack:
                   *tracing]
         # Both models load at once; the coordinator checks them once both serve.
         self.children.append(spawn("drafter", "drafter", [
-            "--model", options.draft_model, "--dtype", options.pair.draft_dtype, "--quantize",
-            options.draft_quantize, "--head-vocab", str(options.head_vocab), *self._listen("drafter"), *common]))
+            "--model", options.draft_model, "--dtype", _dtype(options.pair.draft_dtype, options.draft_quantize),
+            "--quantize", options.draft_quantize, "--head-vocab", str(options.head_vocab), *self._listen("drafter"),
+            *common]))
         self.children.append(spawn("verifier", "verifier", [
-            "--model", options.target_model, "--dtype", options.pair.target_dtype, "--quantize",
-            options.target_quantize, *self._listen("verifier"),
+            "--model", options.target_model, "--dtype", _dtype(options.pair.target_dtype, options.target_quantize),
+            "--quantize", options.target_quantize, *self._listen("verifier"),
             *common]))
         drafter, verifier = (wait_serving(child, options.ready_timeout_s) for child in self.children)
         self.children.append(spawn("coordinator", "coordinator", [
