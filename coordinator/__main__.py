@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--gamma", default="auto", type=parse_gamma,
                         help="draft tokens per round: auto (adapted per request from rolling acceptance) or N")
-    parser.add_argument("--gamma-max", type=int, default=8, help="the most draft tokens auto picks per round")
+    parser.add_argument("--gamma-max", type=int, default=0,
+                        help="the most draft tokens auto picks per round (0: the verifier's measured cost curve decides, 8 without one)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default when a request sets none")
     parser.add_argument("--trace-file", help="also write spans as OTLP-JSON lines to this file (tracing is off "
                         "unless this or OTEL_EXPORTER_OTLP_ENDPOINT is set)")

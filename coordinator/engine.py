@@ -18,7 +18,7 @@ from specdec.sampling import SamplingConfig
 from specdec import telemetry
 
 from coordinator.clients import VerifierClient
-from coordinator.gamma import GammaController, GammaPriors
+from coordinator.gamma import CostModel, GammaController, GammaPriors
 from coordinator.metrics import Metrics
 from coordinator.output import Delta, OutputAccumulator
 from coordinator.rounds import RoundRecord
@@ -99,11 +99,13 @@ class Update:
 class SpeculativeEngine:
     def __init__(self, verifier: VerifierClient, tokenizer, eos_token_ids: tuple[int, ...],
                  metrics: Metrics | None = None,
-                 on_proposer_failure: Callable[[ProposerUnavailable], None] = lambda exc: None):
+                 on_proposer_failure: Callable[[ProposerUnavailable], None] = lambda exc: None,
+                 cost: CostModel | None = None):
         self.verifier = verifier
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.gamma_priors = GammaPriors()  # what earlier requests learned about γ
+        # What earlier requests learned about γ, starting from the services' cost curves.
+        self.gamma_priors = GammaPriors(cost=cost)
         self.metrics = metrics or Metrics()
         self.on_proposer_failure = on_proposer_failure
 
@@ -125,12 +127,15 @@ class SpeculativeEngine:
         started = time.perf_counter()
         drafting = proposer  # set to None when the proposer fails; `proposer` is still ended
         try:
-            if proposer is not None:
-                proposer.start(session_id, request.prompt_ids)
+            # The prefills run one after the other, the target's first. Run at once on
+            # the same cores, each model's thread team oversubscribed them: the default
+            # pair's speculative prefill took a median 2.9 s on Spec-Bench against 0.69 s
+            # for the target's alone.
             self.verifier.start_session(session_id, request.prompt_ids, timeout())
             if proposer is not None:
+                proposer.start(session_id, request.prompt_ids)
                 try:
-                    proposer.ready()  # its prefill ran alongside the verifier's; wait for what is left of it
+                    proposer.ready()
                 except ProposerUnavailable as exc:
                     self._fall_back(exc, stats)
                     drafting = None

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from specdec.sampling import SamplingConfig
 
@@ -71,6 +72,43 @@ class EwLinearFit:
         return max(0.0, a + b * x)
 
 
+class RowCurve:
+    """Verify time by rows (γ + 1 per round), starting from the verifier's measured
+    cost curve and learned per row count: a row count seen in rounds has its own
+    EWMA; one not seen yet is its measured forward plus the offset the seen ones
+    show over theirs (the RPC and the rejection sampler, which the curve leaves
+    out). Rows are not free in every precision (int4 takes 4 a kernel pass, so the
+    5th costs as much again), which a line in γ cannot represent."""
+
+    def __init__(self, measured: Sequence[float], rate: float = 0.1):
+        assert measured, "a curve needs at least the 1-row forward"
+        self.measured = [float(ms) for ms in measured]          # [rows - 1] -> ms
+        self.estimate = list(self.measured)
+        self.seen = [0] * len(self.measured)
+        self.offset, self.offset_count, self.rate = 0.0, 0, rate
+
+    @property
+    def max_rows(self) -> int:
+        return len(self.measured)
+
+    def observe(self, rows: int, ms: float) -> None:
+        i = rows - 1
+        if not 0 <= i < len(self.measured):
+            return
+        self.seen[i] += 1
+        self.estimate[i] += max(self.rate, 1 / self.seen[i]) * (ms - self.estimate[i])
+        self.offset_count += 1
+        self.offset += max(self.rate, 1 / self.offset_count) * (ms - self.measured[i] - self.offset)
+
+    def __call__(self, rows: int) -> float:
+        i = min(max(rows, 1), len(self.measured)) - 1
+        value = self.estimate[i] if self.seen[i] else self.measured[i] + self.offset
+        if rows > len(self.measured):  # past the measured rows: the last step again, per row
+            step = self.measured[-1] - self.measured[-2] if len(self.measured) > 1 else self.measured[-1]
+            value += (rows - len(self.measured)) * max(step, 0.0)
+        return max(value, 0.0)
+
+
 @dataclass
 class CostModel:
     """Round time in ms as a function of γ, learned from measured rounds."""
@@ -78,14 +116,34 @@ class CostModel:
     # verifying γ tokens at one step plus 5% per token.
     draft: EwLinearFit = field(default_factory=lambda: EwLinearFit(default=(1.0, 25.0), a_over_b=0.05))
     verify: EwLinearFit = field(default_factory=lambda: EwLinearFit(default=(100.0, 5.0), b_over_a=0.05))
+    verify_curve: RowCurve | None = None  # from the verifier's Info; the line above is the fallback
+
+    @classmethod
+    def from_curves(cls, draft_ms: Sequence[float], verify_ms: Sequence[float]) -> "CostModel":
+        """Start from the services' measured curves (either may be empty: not measured)."""
+        model = cls()
+        if draft_ms:  # a draft token: one 1-row forward, plus a little for sampling and the RPC
+            model.draft = EwLinearFit(default=(1.0, float(draft_ms[0]) * 1.1), a_over_b=0.05)
+        if verify_ms:
+            model.verify_curve = RowCurve(verify_ms)
+        return model
 
     def observe(self, gamma: int, draft_ms: float, verify_ms: float) -> None:
         if gamma > 0:
             self.draft.observe(gamma, draft_ms)
         self.verify.observe(gamma, verify_ms)
+        if self.verify_curve is not None:
+            self.verify_curve.observe(gamma + 1, verify_ms)
+
+    def verify_ms(self, gamma: int) -> float:
+        return self.verify_curve(gamma + 1) if self.verify_curve is not None else self.verify(gamma)
 
     def round_ms(self, gamma: int) -> float:
-        return (self.draft(gamma) if gamma > 0 else 0.0) + self.verify(gamma)
+        return (self.draft(gamma) if gamma > 0 else 0.0) + self.verify_ms(gamma)
+
+    def marginal_verify_ms(self, gamma: int) -> float:
+        """What verifying one more draft token costs on top of γ of them."""
+        return max(self.verify_ms(gamma + 1) - self.verify_ms(gamma), 0.0)
 
 
 @dataclass
@@ -250,8 +308,7 @@ class GammaController:
         which saves one token's share of the time, 1/goodput. So drafting goes on
         while P(prev accepted) > cost · goodput / α."""
         _, draft_per_token = self.state.cost.draft.coefficients()
-        _, verify_per_token = self.state.cost.verify.coefficients()
-        cost_ms = max(draft_per_token, 0.0) + max(verify_per_token, 0.0)
+        cost_ms = max(draft_per_token, 0.0) + self.state.cost.marginal_verify_ms(max(self.gamma, 1))
         tokens_per_ms = self.goodput(max(self.gamma, 1)) / 1e3
         return cost_ms * tokens_per_ms / max(self.state.acceptance.alpha, 0.05)
 
@@ -310,12 +367,12 @@ class GammaPriors:
     cost model is shared by all). A new request starts from a copy; when it ends
     its state is blended back in."""
 
-    def __init__(self, blend: float = 0.5, prior_weight: float = 5.0):
+    def __init__(self, blend: float = 0.5, prior_weight: float = 5.0, cost: CostModel | None = None):
         self.blend, self.prior_weight = blend, prior_weight
         self.lock = threading.Lock()
         self.acceptance: dict[str, Acceptance] = {}
         self.calibration: dict[str, Calibration] = {}
-        self.cost = CostModel()
+        self.cost = cost or CostModel()
         self.rounds = 0
 
     def start(self, sampling: SamplingConfig) -> ControllerState:

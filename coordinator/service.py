@@ -24,6 +24,7 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from coordinator.backends import Backends, WatchSettings
 from coordinator.clients import RemoteDraftProposer
 from coordinator.engine import SpeculativeEngine
+from coordinator.gamma import CostModel
 from coordinator.metrics import Metrics
 from coordinator.requests import (Limits, max_token_chars, request_attributes, response_attributes, to_domain,
                                   update_to_proto)
@@ -43,7 +44,7 @@ class CoordinatorConfig:
     verifier: str
     proposer: str = "drafter"       # "drafter" (the draft model service) or "ngram" (prompt lookup)
     gamma: int | None = None         # None: adaptive per request; N: fixed
-    gamma_max: int = 8               # adaptive γ ranges over [0, gamma_max]
+    gamma_max: int = 0               # adaptive γ ranges over [0, gamma_max]; 0: from the verifier's cost curve
     max_new_tokens: int = 128
     connect_timeout_s: float = 300.0
     metrics_port: int | None = None  # Prometheus /metrics on this port (0 picks one); None = off
@@ -63,6 +64,16 @@ class CoordinatorConfig:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
 
 
+DEFAULT_GAMMA_MAX = 8  # without a measured cost curve
+
+
+def curve_gamma_max(forward_ms) -> int:
+    """The adaptive γ's bound from the verifier's cost curve: the most drafts whose
+    verification it measured (rows - 1). Where rows are nearly free the controller
+    may then draft long; where they are not, goodput keeps it short anyway."""
+    return max(len(forward_ms) - 1, 1) if forward_ms else DEFAULT_GAMMA_MAX
+
+
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, backends: Backends, config: CoordinatorConfig):
         self.backends = backends
@@ -72,11 +83,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.limits = Limits(
             vocab_size=target.vocab_size, max_context=target.max_context,
             default_max_new_tokens=config.max_new_tokens, default_gamma=config.gamma or None,
-            max_propose_tokens=max_propose, gamma_max=config.gamma_max,
+            max_propose_tokens=max_propose, gamma_max=config.gamma_max or curve_gamma_max(target.forward_ms),
             max_token_chars=max_token_chars(backends.tokenizer))
         self.metrics = Metrics()
+        cost = CostModel.from_curves(list(draft.forward_ms) if draft else [], list(target.forward_ms))
         self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids),
-                                        self.metrics, on_proposer_failure=self._proposer_failed)
+                                        self.metrics, on_proposer_failure=self._proposer_failed, cost=cost)
         self._in_flight = 0  # Generate calls admitted and not yet finished
         self._idle = threading.Condition()
         for name, watch in (("verifier", backends.verifier_watch), ("drafter", backends.drafter_watch)):

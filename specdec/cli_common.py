@@ -67,6 +67,9 @@ def add_model_args(parser: argparse.ArgumentParser, default_quantize: str) -> No
     parser.add_argument("--trace-file", help="also write spans as OTLP-JSON lines to this file (tracing is off "
                         "unless this or OTEL_EXPORTER_OTLP_ENDPOINT is set)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    parser.add_argument("--cost-curve-rows", type=int, default=17,
+                        help="at warm-up, time one forward over 1..N new rows and publish the curve in Info, "
+                             "for the coordinator's choice of γ (0 = do not measure)")
     add_tls_server_args(parser)
     add_lifecycle_args(parser)
 
@@ -83,7 +86,8 @@ def run_model_service(name: str, args: argparse.Namespace,
         loaded: LoadedModel = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
                                         head_vocab=args.head_vocab, forward=args.forward)
         running = serve(loaded, host=args.host, port=args.port, session_ttl_s=args.session_ttl,
-                        max_sessions=args.max_sessions, tls=tls, uds=args.uds)
+                        max_sessions=args.max_sessions, tls=tls, uds=args.uds,
+                        cost_curve_rows=args.cost_curve_rows)
         start_health(running, args)
     except (SpecdecError, ValueError, OSError) as exc:
         log.error("%s", exc)

@@ -3,6 +3,8 @@ session lifecycle around a store with a TTL. Each service adds its own calls."""
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from contextlib import contextmanager
 from typing import Callable, Generic, Iterator, Protocol, Sequence, TypeVar
 
@@ -44,6 +46,7 @@ class ModelServiceBase(Generic[S]):
         self.sessions = store
         self._new_session = new_session
         self._tokenizer_files: dict[str, bytes] | None = None
+        self.forward_ms: list[float] = []  # the cost curve, once measured
 
     def Info(self, request, context) -> common_pb2.ModelInfo:
         m = self.loaded
@@ -51,7 +54,7 @@ class ModelServiceBase(Generic[S]):
             model=m.name, dtype=m.dtype, device=str(m.device), quantization=m.quantization,
             vocab_size=m.vocab_size, model_vocab_size=m.model_vocab_size, max_context=m.max_context,
             eos_token_ids=list(m.eos_token_ids), tokenizer_fingerprint=m.fingerprint,
-            active_sessions=len(self.sessions), max_propose_tokens=MAX_PROPOSE_TOKENS)
+            active_sessions=len(self.sessions), max_propose_tokens=MAX_PROPOSE_TOKENS, forward_ms=self.forward_ms)
 
     def GetTokenizer(self, request, context) -> common_pb2.TokenizerFiles:
         if self._tokenizer_files is None:
@@ -97,9 +100,36 @@ def warm_up(loaded: LoadedModel) -> None:
     SequenceCache(loaded, ids).forward([], keep_last=1)
 
 
+CURVE_PREFIX = 128  # tokens cached before each timed forward: a short prompt's worth
+
+
+def cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> list[float]:
+    """Median ms of one forward over 1..rows new rows after a CURVE_PREFIX-token
+    prefix: what verifying γ = rows - 1 drafts costs, or a draft step (1 row).
+    Rows are not free in every precision (int4 takes 4 a kernel pass), so the
+    coordinator plans γ on this curve rather than on a line."""
+    if rows <= 0:
+        return []
+    ids = [(7 * i + 3) % loaded.vocab_size for i in range(CURVE_PREFIX + rows)]
+    seq = SequenceCache(loaded, ids[:CURVE_PREFIX])
+    seq.prefill()
+    seq.forward([], keep_last=1)
+    curve = []
+    for n in range(1, rows + 1):
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            seq.forward(ids[CURVE_PREFIX:CURVE_PREFIX + n], keep_last=n)
+            times.append((time.perf_counter() - started) * 1e3)
+            seq.truncate(CURVE_PREFIX)  # the rollback a rejected draft gets
+        curve.append(round(statistics.median(times), 3))
+    return curve
+
+
 def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, service_name: str,
                 loaded: LoadedModel, host: str = "127.0.0.1", port: int = 0, session_ttl_s: float = 600.0,
-                max_sessions: int = 256, tls: ServerTls | None = None, uds: str | None = None) -> RunningServer:
+                max_sessions: int = 256, tls: ServerTls | None = None, uds: str | None = None,
+                cost_curve_rows: int = 0) -> RunningServer:
     """Start a model service; it reports SERVING only once the model is warm."""
     warn_if_exposed(service_name, host, tls, uds)
     store = SessionStore(ttl_s=session_ttl_s, max_sessions=max_sessions)
@@ -110,5 +140,8 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
                            max_workers=max_sessions + 8, tls=tls, uds=uds)
     running.on_stop = store.close
     torch_thread.run(warm_up, loaded)
+    servicer.forward_ms = torch_thread.run(cost_curve, loaded, cost_curve_rows)
+    log.info("%s: forward ms by rows (1..%d): %s", service_name, len(servicer.forward_ms),
+             ", ".join(f"{ms:.1f}" for ms in servicer.forward_ms))
     running.set_serving(True)
     return running

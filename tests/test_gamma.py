@@ -224,3 +224,58 @@ def test_a_new_request_leans_on_the_prior_only_for_its_first_rounds():
     assert max(hard.state.acceptance.count_by_position) <= priors.prior_weight
     Stream(0.4, seed=9).run(hard, 12)
     assert hard.state.acceptance.at(0) < 0.7, hard.state.acceptance  # its own 12 rounds outweigh the history
+
+
+# --- cost curves (the services' measured forward time by rows) -----------------
+
+from coordinator.gamma import ControllerState, CostModel, RowCurve  # noqa: E402
+from coordinator.service import curve_gamma_max  # noqa: E402
+
+INT4_CURVE = [38, 42, 47, 52, 96, 100, 105, 110, 150, 155, 160, 165, 205, 210, 215, 220, 260]  # 4 rows a pass
+BF16_CURVE = [150 + 2 * i for i in range(17)]                                                   # nearly flat
+FP32_CURVE = [100 * (1 + i) for i in range(17)]                                                 # every row costs
+
+
+def test_a_row_curve_learns_each_row_count_and_shifts_the_unseen_ones():
+    curve = RowCurve([10.0, 11.0, 20.0])
+    assert curve(2) == 11.0 and curve(5) == 20.0 + 2 * 9.0          # past the measured rows: the last step
+    curve.observe(2, 14.0)                                          # 3 ms of RPC the curve did not see
+    assert curve(2) == 14.0 and curve(1) == 13.0 and curve(3) == 23.0
+    for _ in range(50):
+        curve.observe(2, 12.0)
+    assert abs(curve(2) - 12.0) < 0.1
+
+
+def controller_on(curve: list[float], draft_ms_per_token: float, alpha: float, rounds: int = 120,
+                  gamma_max: int = 16, seed: int = 0) -> GammaController:
+    """A controller started from the curves, fed rounds whose times follow them."""
+    state = ControllerState(cost=CostModel.from_curves([draft_ms_per_token], curve))
+    controller = GammaController(gamma_max, state)
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        g = controller.next_gamma()
+        accepted = 0
+        while accepted < g and rng.random() < alpha:
+            accepted += 1
+        verify = RowCurve(curve)(g + 1) + 1.0
+        controller.observe(round_record(g, accepted, draft_ms_per_token * g, verify))
+    return controller
+
+
+def test_where_the_fifth_row_costs_twice_the_fourth_gamma_stays_at_most_3():
+    controller = controller_on(INT4_CURVE, draft_ms_per_token=8.0, alpha=0.8)
+    assert 1 <= controller.best() <= 3
+
+
+def test_where_rows_are_nearly_free_drafts_run_past_eight():
+    controller = controller_on(BF16_CURVE, draft_ms_per_token=6.0, alpha=0.9)
+    assert controller.best() > 8
+
+
+def test_where_every_row_costs_a_forward_drafting_is_off():
+    controller = controller_on(FP32_CURVE, draft_ms_per_token=50.0, alpha=0.5)
+    assert controller.best() == 0
+
+
+def test_the_gamma_bound_comes_from_the_measured_rows():
+    assert curve_gamma_max(INT4_CURVE) == 16 and curve_gamma_max([]) == 8 and curve_gamma_max([5.0]) == 1

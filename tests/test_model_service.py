@@ -142,3 +142,15 @@ def test_malformed_request_bytes_get_invalid_argument(stack, server, method, str
         error = rpc_error(send)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
     assert "not a valid protobuf message" in error.details() and method in error.details()
+
+
+def test_a_model_service_publishes_its_cost_curve_in_info(tiny_target):
+    import verifier.service
+    from specdec.v1 import verifier_pb2_grpc
+    running = verifier.service.serve(tiny_target, cost_curve_rows=5)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
+            info = verifier_pb2_grpc.VerifierStub(ch).Info(common_pb2.InfoRequest())
+        assert len(info.forward_ms) == 5 and all(ms > 0 for ms in info.forward_ms)
+    finally:
+        running.stop(0)

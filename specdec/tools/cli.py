@@ -171,7 +171,8 @@ def parser() -> argparse.ArgumentParser:
                     help="the model services' forward: lean (default; Llama/Qwen2 over a static KV cache) or hf "
                          "(transformers')")
     up.add_argument("--gamma", default="auto", help="auto (adapted per request) or a fixed N")
-    up.add_argument("--gamma-max", type=int, default=8, help="the most draft tokens auto picks per round")
+    up.add_argument("--gamma-max", type=int, default=0,
+                    help="the most draft tokens auto picks per round (0: the verifier's measured cost curve decides, 8 without one)")
     up.add_argument("--trace-file", help="all three services append OTLP-JSON spans here (see specdec traces)")
     up.add_argument("--host", default="127.0.0.1", help="coordinator bind address")
     up.add_argument("--port", type=int, default=50051, help="coordinator port")

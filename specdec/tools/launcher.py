@@ -157,7 +157,7 @@ class StackOptions:
     host: str = "127.0.0.1"
     port: int = 50051
     gamma: str = "auto"
-    gamma_max: int = 8
+    gamma_max: int = 0  # 0: from the verifier's cost curve
     trace_file: str | None = None
     ready_timeout_s: float = 900.0
     threads: int = 0
