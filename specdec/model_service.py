@@ -3,7 +3,6 @@ session lifecycle around a store with a TTL. Each service adds its own calls."""
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from contextlib import contextmanager
 from typing import Callable, Generic, Iterator, Protocol, Sequence, TypeVar
@@ -104,7 +103,7 @@ CURVE_PREFIX = 128  # tokens cached before each timed forward: a short prompt's 
 
 
 def cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> list[float]:
-    """Median ms of one forward over 1..rows new rows after a CURVE_PREFIX-token
+    """The least ms of `repeats` forwards over 1..rows new rows after a CURVE_PREFIX-token
     prefix: what verifying γ = rows - 1 drafts costs, or a draft step (1 row).
     Rows are not free in every precision (int4 takes 4 a kernel pass), so the
     coordinator plans γ on this curve rather than on a line."""
@@ -122,7 +121,7 @@ def cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> list[float]:
             seq.forward(ids[CURVE_PREFIX:CURVE_PREFIX + n], keep_last=n)
             times.append((time.perf_counter() - started) * 1e3)
             seq.truncate(CURVE_PREFIX)  # the rollback a rejected draft gets
-        curve.append(round(statistics.median(times), 3))
+        curve.append(round(min(times), 3))  # the least disturbed: another process may share the cores
     return curve
 
 

@@ -214,16 +214,18 @@ class Stack:
         tracing = ["--trace-file", options.trace_file] if options.trace_file else []
         common = ["--device", options.device, "--threads", str(options.threads), "--forward", options.forward,
                   *tracing]
-        # Both models load at once; the coordinator checks them once both serve.
+        # The drafter first, then the verifier: each times its forwards at warm-up
+        # (the cost curve in Info), which the other's loading would disturb.
         self.children.append(spawn("drafter", "drafter", [
             "--model", options.draft_model, "--dtype", _dtype(options.pair.draft_dtype, options.draft_quantize),
             "--quantize", options.draft_quantize, "--head-vocab", str(options.head_vocab), *self._listen("drafter"),
             *common]))
+        drafter = wait_serving(self.children[-1], options.ready_timeout_s)
         self.children.append(spawn("verifier", "verifier", [
             "--model", options.target_model, "--dtype", _dtype(options.pair.target_dtype, options.target_quantize),
             "--quantize", options.target_quantize, *self._listen("verifier"),
             *common]))
-        drafter, verifier = (wait_serving(child, options.ready_timeout_s) for child in self.children)
+        verifier = wait_serving(self.children[-1], options.ready_timeout_s)
         self.children.append(spawn("coordinator", "coordinator", [
             "--drafter", drafter.address, "--verifier", verifier.address, "--host", options.host,
             "--port", str(options.port), "--gamma", str(options.gamma), "--gamma-max", str(options.gamma_max),
