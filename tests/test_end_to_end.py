@@ -225,10 +225,26 @@ def test_adaptive_gamma_is_lossless_and_seeded_samples_stay_reproducible(stack):
             assert list(speculative.token_ids) == list(reference.token_ids), prompt
             drafted += speculative.stats.draft_tokens
             deepest = max(deepest, len(speculative.stats.acceptance_by_position))
-        # It did speculate, and never drafted deeper than --gamma-max (8, the default).
+        # It did speculate, and never drafted deeper than the bound (8: these services publish no cost curve).
         assert drafted > 0 and 1 <= deepest <= 8
         seeded = pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=30,
                                     sampling=common_pb2.SamplingParams(temperature=0.9, seed=77))
         runs = [auto.Generate(seeded, timeout=60) for _ in range(2)]
         assert list(runs[0].token_ids) == list(runs[1].token_ids)
         assert runs[0].stats.gamma == 4 and runs[0].stats.draft_tokens > 0
+
+
+def test_the_adaptive_gamma_bound_follows_the_verifiers_cost_curve(tiny_target, tiny_draft):
+    import verifier.service
+    d = drafter.service.serve(tiny_draft, cost_curve_rows=2)
+    v = verifier.service.serve(tiny_target, cost_curve_rows=4)  # 1..4 rows measured: γ at most 3
+    try:
+        with coordinator_stub(drafter=f"127.0.0.1:{d.port}", verifier=f"127.0.0.1:{v.port}") as auto:
+            deepest = 0
+            for prompt in PROMPTS[:4]:
+                response = auto.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=30), timeout=60)
+                deepest = max(deepest, len(response.stats.acceptance_by_position))
+            assert 1 <= deepest <= 3
+    finally:
+        d.stop(0)
+        v.stop(0)
