@@ -87,10 +87,6 @@ class RowCurve:
         self.seen = [0] * len(self.measured)
         self.offset, self.offset_count, self.rate = 0.0, 0, rate
 
-    @property
-    def max_rows(self) -> int:
-        return len(self.measured)
-
     def observe(self, rows: int, ms: float) -> None:
         i = rows - 1
         if not 0 <= i < len(self.measured):
@@ -131,9 +127,10 @@ class CostModel:
     def observe(self, gamma: int, draft_ms: float, verify_ms: float) -> None:
         if gamma > 0:
             self.draft.observe(gamma, draft_ms)
-        self.verify.observe(gamma, verify_ms)
         if self.verify_curve is not None:
             self.verify_curve.observe(gamma + 1, verify_ms)
+        else:
+            self.verify.observe(gamma, verify_ms)
 
     def verify_ms(self, gamma: int) -> float:
         return self.verify_curve(gamma + 1) if self.verify_curve is not None else self.verify(gamma)

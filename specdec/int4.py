@@ -152,10 +152,10 @@ def quantize_from_gguf(model: nn.Module, gguf_path: str) -> dict[str, int]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(gguf_path)
-    modules = dict(model.named_modules())
     from specdec.int8 import Int8WeightOnlyLinear
 
+    reader = GGUFReader(gguf_path)
+    modules = dict(model.named_modules())
     report = {"int4": 0, "int8": 0, "mismatched": 0}
     for tensor in reader.tensors:
         name = module_name(tensor.name)

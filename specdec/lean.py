@@ -22,6 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # Qwen2's is the same
+
+from specdec.int4 import Int4Linear
 
 FAMILIES = ("llama", "qwen2")
 CHUNK = 256  # cache growth step, in tokens
@@ -71,15 +74,6 @@ class StaticKVCache:
         buffer[:, :, :, :self.length] = self.buffer[:, :, :, :self.length]
         self.buffer = buffer
 
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """q [heads, T, dim], k and v [kv_heads, L, dim], mask [T, L] or None -> [heads, T, dim].
@@ -103,8 +97,6 @@ class _Layer:
     """One decoder layer's modules, with q/k/v and gate/up fused where their weights allow."""
 
     def __init__(self, layer: nn.Module):
-        from specdec.int4 import Int4Linear
-
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.o_proj = attn.o_proj
@@ -140,7 +132,6 @@ class LeanForward:
         reason = supports(model)
         assert reason is None, reason
         config = model.config
-        self.model = model
         self.layers = [_Layer(layer) for layer in model.model.layers]
         self.embed = model.model.embed_tokens
         self.norm = model.model.norm
@@ -181,9 +172,9 @@ class LeanForward:
             q, k, v = layer.project_qkv(_rms_norm(layer.input_norm, x))
             q = q.reshape(rows, heads, dim).transpose(0, 1)                             # [heads, T, dim]
             k = k.reshape(rows, kv_heads, dim).transpose(0, 1)                          # [kv_heads, T, dim]
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=0)                 # cos, sin [T, dim]
+            kv[i, 0, :, start:end] = k
             kv[i, 1, :, start:end] = v.reshape(rows, kv_heads, dim).transpose(0, 1)
-            kv[i, 0, :, start:end] = k * cos + _rotate_half(k) * sin
-            q = q * cos + _rotate_half(q) * sin
             out = _attention(q, kv[i, 0, :, :end], kv[i, 1, :, :end], mask)              # [heads, T, dim]
             x = x + layer.o_proj(out.transpose(0, 1).reshape(rows, heads * dim))
             x = x + layer.feed_forward(_rms_norm(layer.post_norm, x))

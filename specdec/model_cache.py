@@ -34,10 +34,14 @@ FORMAT = 1
 FILE = "module.pt"
 
 
+def _key(settings: dict[str, object]) -> dict[str, object]:
+    """What an entry's weights depend on: the settings, and the libraries that laid them out."""
+    return {**settings, "format": FORMAT, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
 def entry_dir(model_dir: pathlib.Path, settings: dict[str, object]) -> pathlib.Path:
     """The cache entry for a model directory and the settings that shaped its weights."""
-    key = {**settings, "format": FORMAT, "torch": torch.__version__, "transformers": transformers.__version__}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps(_key(settings), sort_keys=True).encode()).hexdigest()[:16]
     return model_dir / "converted" / f"{settings.get('quantize', 'model')}-{digest}"
 
 
@@ -48,9 +52,14 @@ def load(entry: pathlib.Path) -> nn.Module | None:
         return None
     started = time.perf_counter()
     # weights_only=False: the file is a module this service wrote (see the module docstring).
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # torch's own unpickling
-        module = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # torch's own unpickling
+            module = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as error:  # a damaged entry costs a conversion, not the start
+        log.warning("could not load the converted model from %s (%s); converting again", entry, error)
+        path.unlink(missing_ok=True)
+        return None
     log.info("loaded the converted model from %s in %.1f s", entry, time.perf_counter() - started)
     return module
 
@@ -64,7 +73,5 @@ def save(module: nn.Module, entry: pathlib.Path, settings: dict[str, object]) ->
         partial = entry / f"{FILE}.{os.getpid()}.partial"
         torch.save(module, partial)
         partial.replace(entry / FILE)
-        (entry / "settings.json").write_text(json.dumps(
-            {**settings, "format": FORMAT, "torch": torch.__version__, "transformers": transformers.__version__},
-            indent=2))
+        (entry / "settings.json").write_text(json.dumps(_key(settings), indent=2))
     log.info("saved the converted model to %s", entry)

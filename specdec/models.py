@@ -52,8 +52,11 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tupl
     return tuple(sorted(set(int(i) for i in ids)))
 
 
-def _source(name: str) -> pathlib.Path:
-    """The HF directory or .gguf file a model name stands for (pulling a registry model)."""
+def _source(name: str) -> pathlib.Path | None:
+    """The HF directory or .gguf file a model name stands for, pulling a registry
+    model first; None for the tiny models, which are built, not loaded."""
+    if name in tiny.TINY_NAMES:
+        return None
     path = registry.pull(name) if name in registry.MODELS else pathlib.Path(name).expanduser()
     if (path.is_dir() and (path / "config.json").exists()) or (path.is_file() and path.suffix == ".gguf"):
         return path
@@ -69,26 +72,26 @@ def _from_pretrained(cls, path: pathlib.Path, **kwargs):
     return cls.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True, **kwargs)
 
 
-def _load_weights(name: str, torch_dtype: torch.dtype) -> PreTrainedModel:
-    if name in tiny.TINY_NAMES:
+def _load_weights(name: str, source: pathlib.Path | None, torch_dtype: torch.dtype) -> PreTrainedModel:
+    if source is None:
         return tiny.build(name)[0].to(torch_dtype)
-    return _from_pretrained(AutoModelForCausalLM, _source(name), dtype=torch_dtype)
+    return _from_pretrained(AutoModelForCausalLM, source, dtype=torch_dtype)
 
 
-def _load_tokenizer(name: str) -> PreTrainedTokenizerBase:
-    if name in tiny.TINY_NAMES:
+def _load_tokenizer(name: str, source: pathlib.Path | None) -> PreTrainedTokenizerBase:
+    if source is None:
         return tiny.build_tokenizer(mismatch=name == "tiny-mismatch-draft")
-    return _from_pretrained(AutoTokenizer, _source(name))
+    return _from_pretrained(AutoTokenizer, source)
 
 
-def _cache_root(name: str) -> pathlib.Path | None:
+def _cache_root(name: str, source: pathlib.Path | None) -> pathlib.Path | None:
     """Where a model's converted forms are kept: beside a registry model, or under
     $SPECDEC_HOME for a local file (keyed by its path, size and time)."""
-    if name in tiny.TINY_NAMES:
-        return None  # built in a second; nothing to save
+    if source is None:
+        return None  # a tiny model: built in a second; nothing to save
     if name in registry.MODELS:
         return registry.model_dir(registry.lookup(name))
-    path = _source(name).resolve()
+    path = source.resolve()
     stat = (path / "config.json" if path.is_dir() else path).stat()
     digest = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     return registry.home() / "converted-local" / digest
@@ -133,16 +136,17 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
     if forward not in FORWARDS:
         raise InvalidArgument(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
     torch_device = torch.device(device)
+    source = _source(name)  # pulls a registry model first, so its GGUF is there for int4
     if quantize == "int4" and gguf_source(name) is None:
         raise InvalidArgument(f"--quantize int4 builds its weights from a GGUF's Q4_K blocks; {name!r} has no "
                               "GGUF source (give a .gguf file or a registry name)")
-    tokenizer = _load_tokenizer(name)
+    tokenizer = _load_tokenizer(name, source)
     settings = dict(quantize=quantize, dtype=dtype, head_vocab=head_vocab if quantize == "int8" else 0)
-    root = _cache_root(name) if quantize != "none" and torch_device.type == "cpu" else None
+    root = _cache_root(name, source) if quantize != "none" and torch_device.type == "cpu" else None
     entry = model_cache.entry_dir(root, settings) if root else None
     model = model_cache.load(entry) if entry else None
     if model is None:
-        model = _quantized(name, _load_weights(name, DTYPES[dtype]).to(torch_device).eval(), tokenizer,
+        model = _quantized(name, _load_weights(name, source, DTYPES[dtype]).to(torch_device).eval(), tokenizer,
                            torch_device, quantize, head_vocab)
         if entry:
             try:

@@ -1,6 +1,7 @@
 """Quantized models are converted once, kept beside the model, and loaded from there."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdec import model_cache, tiny
@@ -13,12 +14,18 @@ def logits_of(loaded, ids: list[int]) -> torch.Tensor:
     return seq.forward([], keep_last=1)
 
 
-def test_a_converted_model_is_saved_once_and_loaded_the_same(tmp_path, monkeypatch):
+@pytest.fixture
+def source(tmp_path, monkeypatch):
+    """The tiny target saved as a local HF directory, with the model cache in tmp_path/home."""
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
     model, tokenizer = tiny.build("tiny-target")
-    source = tmp_path / "tiny-target"
-    model.save_pretrained(source)
-    tokenizer.save_pretrained(source)
+    path = tmp_path / "tiny-target"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_converted_model_is_saved_once_and_loaded_the_same(tmp_path, source):
 
     first = load_model(str(source), quantize="int8")
     entries = list((tmp_path / "home").glob("converted-local/*/converted/int8-*/module.pt"))
@@ -43,3 +50,13 @@ def test_the_entry_key_names_the_settings_and_the_library_versions(tmp_path):
     settings = (a / "settings.json").read_text()
     assert torch.__version__ in settings and '"format": 1' in settings
     assert not list(a.glob("*.partial"))
+
+
+def test_a_damaged_entry_is_converted_again_not_fatal(tmp_path, source):
+    first = load_model(str(source), quantize="int8")
+    (entry,) = (tmp_path / "home").glob("converted-local/*/converted/int8-*/module.pt")
+    entry.write_bytes(b"not a module")
+    again = load_model(str(source), quantize="int8")
+    ids = [5, 9, 33]
+    assert torch.equal(logits_of(first, ids), logits_of(again, ids))
+    assert entry.stat().st_size > 1000  # saved again

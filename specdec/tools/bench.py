@@ -41,6 +41,7 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 from specdec.tools import launcher
@@ -247,7 +248,6 @@ class _LlamaCppDraft:
         self.llm, self.num_tokens = llm, num_tokens
 
     def __call__(self, input_ids, **kwargs):
-        import numpy as np
         drafted = []
         for token in self.llm.generate(input_ids.tolist(), reset=True, temp=0.0, top_k=1):  # keeps the matching prefix
             drafted.append(token)
