@@ -48,7 +48,8 @@ class Stats:
     accepted_tokens: int = 0
     drafted_at: list[int] = field(default_factory=list)   # [position] rounds that drafted this far
     accepted_at: list[int] = field(default_factory=list)  # [position] ... and had it accepted
-    prefill_ms: float = 0.0
+    prefill_ms: float = 0.0      # the verifier's prefill (with the first token when speculating), the proposer's
+    first_token_ms: float = 0.0  # from the start until the first token was decided
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     total_ms: float = 0.0
@@ -125,27 +126,13 @@ class SpeculativeEngine:
         eos = () if request.ignore_eos else self.eos_token_ids
         output = OutputAccumulator(self.tokenizer, eos, request.max_new_tokens, request.stop)
         started = time.perf_counter()
-        drafting = proposer  # set to None when the proposer fails; `proposer` is still ended
         try:
-            # The prefills run one after the other, the target's first. Run at once on
-            # the same cores, each model's thread team oversubscribed them: the default
-            # pair's speculative prefill took a median 2.9 s on Spec-Bench against 0.69 s
-            # for the target's alone.
-            self.verifier.start_session(session_id, request.prompt_ids, timeout())
-            if proposer is not None:
-                proposer.start(session_id, request.prompt_ids)
-                try:
-                    proposer.ready()
-                except ProposerUnavailable as exc:
-                    self._fall_back(exc, stats)
-                    drafting = None
-            stats.prefill_ms = (time.perf_counter() - started) * 1e3
-            rounds = (self._speculative_rounds(session_id, request, drafting, stats, output, timeout)
-                      if drafting is not None else self._target_only_rounds(session_id, request, stats, output, timeout))
-            for new_tokens in rounds:
+            for new_tokens in self._all_rounds(session_id, request, proposer, stats, output, timeout, started):
                 delta = output.add(new_tokens)
                 stats.output_tokens = len(output.token_ids)
                 stats.total_ms = (time.perf_counter() - started) * 1e3
+                if not stats.first_token_ms:
+                    stats.first_token_ms = stats.total_ms
                 yield Update(delta, stats)
                 if delta.finish_reason is not None:
                     self.metrics.observe_request(stats.output_tokens, stats.total_ms / 1e3,
@@ -156,6 +143,37 @@ class SpeculativeEngine:
             if proposer is not None:
                 proposer.end()
             self.verifier.end_session(session_id)
+
+    def _all_rounds(self, session_id: str, request: GenerationRequest, proposer: Proposer | None, stats: Stats,
+                    output: OutputAccumulator, timeout, started: float) -> Iterator[list[int]]:
+        # 1. The target's prefill, and its first token alone: the time to the first
+        #    token is target-only's. The proposer prefills after it, not at the same
+        #    time: on the same cores each model's thread team oversubscribed them (the
+        #    default pair's speculative prefill took a median 2.9 s on Spec-Bench
+        #    against 0.69 s for the target's alone).
+        self.verifier.start_session(session_id, request.prompt_ids, timeout())
+        if proposer is None:
+            stats.prefill_ms = (time.perf_counter() - started) * 1e3
+            yield from self._target_only_rounds(session_id, request, stats, output, timeout)
+            return
+        # The session caches all but the prompt's last token; the forward over it is
+        # the rest of the prefill, and its token is the first (not a round).
+        first = self.verifier.decode(session_id, 1, request.sampling, timeout())
+        stats.prefill_ms = (time.perf_counter() - started) * 1e3
+        yield first
+        # 2. The proposer's prefill: the prompt and the first token.
+        prefilled = time.perf_counter()
+        proposer.start(session_id, (*request.prompt_ids, *first))
+        try:
+            proposer.ready()
+        except ProposerUnavailable as exc:
+            self._fall_back(exc, stats)
+            yield from self._target_only_rounds(session_id, request, stats, output, timeout)
+            return
+        finally:
+            stats.prefill_ms += (time.perf_counter() - prefilled) * 1e3
+        # 3. Speculative rounds.
+        yield from self._speculative_rounds(session_id, request, proposer, stats, output, timeout)
 
     @staticmethod
     def _check_caller(cancelled, timeout, stats: Stats) -> None:
@@ -229,10 +247,17 @@ class SpeculativeEngine:
 
     def _target_only_rounds(self, session_id: str, request: GenerationRequest, stats: Stats,
                             output: OutputAccumulator, timeout) -> Iterator[list[int]]:
+        # The first token alone, so it streams as soon as it is decided; then chunks.
+        chunk = 1 if not output.token_ids else DECODE_CHUNK
         while True:
-            remaining = request.max_new_tokens - len(output.token_ids)
-            started = time.perf_counter()
-            tokens = self.verifier.decode(session_id, min(DECODE_CHUNK, remaining), request.sampling, timeout())
-            # Not a speculation round: the stats count it, the round metrics do not.
-            stats.record(RoundRecord(stats.rounds, 0, 0, 0, False, verify_ms=(time.perf_counter() - started) * 1e3))
-            yield tokens
+            yield self._decode(session_id, min(chunk, request.max_new_tokens - len(output.token_ids)), request,
+                               stats, timeout)
+            chunk = DECODE_CHUNK
+
+    def _decode(self, session_id: str, num_tokens: int, request: GenerationRequest, stats: Stats,
+                timeout) -> list[int]:
+        started = time.perf_counter()
+        tokens = self.verifier.decode(session_id, num_tokens, request.sampling, timeout())
+        # Not a speculation round: the stats count it, the round metrics do not.
+        stats.record(RoundRecord(stats.rounds, 0, 0, 0, False, verify_ms=(time.perf_counter() - started) * 1e3))
+        return tokens

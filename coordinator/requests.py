@@ -137,7 +137,8 @@ def stats_to_proto(stats: Stats) -> coordinator_pb2.GenerationStats:
         acceptance_by_position=stats.acceptance_by_position, prefill_ms=stats.prefill_ms, draft_ms=stats.draft_ms,
         verify_ms=stats.verify_ms, overhead_ms=stats.overhead_ms, total_ms=stats.total_ms,
         tokens_per_second=stats.tokens_per_second,
-        prompt_tokens=stats.prompt_tokens, gamma=stats.gamma, fallback=stats.fallback)
+        prompt_tokens=stats.prompt_tokens, gamma=stats.gamma, fallback=stats.fallback,
+        first_token_ms=stats.first_token_ms)
 
 
 def update_to_proto(update: Update, with_stats: bool) -> coordinator_pb2.GenerateResponse:

@@ -9,7 +9,7 @@ from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.kv_cache import SequenceCache
 from specdec.models import LoadedModel
 from specdec.proposer import Commit
-from specdec.sampling import SamplingConfig, make_generator, scores_to_probs, transform_logits
+from specdec.sampling import SamplingConfig, make_generator, sample_from, scores_to_probs, transform_logits
 from specdec.wire import round_probs_for_wire
 
 
@@ -97,7 +97,7 @@ class DraftSession:
                 probs = scores_to_probs(scores)                                            # [1, vocab]
                 draft_probs.append(probs[0])
                 sent = round_probs_for_wire(probs)
-                draft_ids.append(int(torch.multinomial(sent[0], 1, generator=self.generator)))
+                draft_ids.append(sample_from(sent[0], self.generator))
                 confidence = float(sent[0, draft_ids[-1]])
             confidences.append(confidence)
             if confidence < min_confidence:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.sampling import sample_from
+
 
 @dataclass(frozen=True)
 class RejectionOutput:
@@ -23,10 +25,6 @@ class RejectionOutput:
     @property
     def next_token_id(self) -> int:
         return int(self.output_token_ids[-1])
-
-
-def _sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator)[0])
 
 
 def rejection_sample(
@@ -56,9 +54,9 @@ def rejection_sample(
         total = residual.sum()
         # A rejection needs p(x) < q(x) somewhere, so p - q has positive mass; the
         # guard only covers float round-off when p and q are (almost) equal.
-        next_token = _sample(residual / total if total > 0 else target_probs[num_accepted], generator)
+        next_token = sample_from(residual / total if total > 0 else target_probs[num_accepted], generator)
     else:
-        next_token = _sample(target_probs[gamma], generator)
+        next_token = sample_from(target_probs[gamma], generator)
     output = torch.cat([draft_token_ids[:num_accepted].cpu(), torch.tensor([next_token])])
     return RejectionOutput(num_accepted, output, bonus=num_accepted == gamma)
 

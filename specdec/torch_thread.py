@@ -14,13 +14,39 @@ rule imposed already). Code already on this thread runs inline.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
 
 _ident: int | None = None
+
+# How long an OpenMP worker of libgomp (torch's CPU runtime) spins for more work
+# before it sleeps. The default, 300,000 spins, is some 15 ms here: right after a
+# forward, the workers of one model service keep both cores busy while the other
+# service's forward starts. Two services take turns on the same cores every round,
+# so each paid it: through the services a draft step (20 ms in-process) took 32 ms
+# and a 2-row verify (42 ms) 57 ms. 10,000 spins still cover the microseconds
+# between the ops of one forward (with no spinning at all a draft step took 29 ms)
+# and sleep within a fraction of a millisecond after it: 25 and 47 ms.
+# scripts/round_time.py measures it.
+SPIN_COUNT = "10000"
+
+
+def spin_briefly() -> None:
+    """Before torch is imported (libgomp reads it once, at load): let idle OpenMP
+    workers sleep soon, for a process that shares its cores with another model
+    service. An explicit GOMP_SPINCOUNT or OMP_WAIT_POLICY wins."""
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        return
+    if "torch" in sys.modules:
+        warnings.warn("spin_briefly() after torch was imported has no effect", stacklevel=2)
+        return
+    os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
 
 
 def _remember() -> None:

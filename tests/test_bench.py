@@ -45,6 +45,11 @@ def test_bench_quick_on_the_tiny_pair(tmp_path, capsys):
         shares = sum(greedy[f"{k}_share"] for k in ("prefill", "draft", "verify", "overhead"))
         assert abs(shares - 1) < 0.01
         assert greedy["speedup_vs_target_only"] > 0 and greedy["speedup_vs_hf_assisted"] > 0
+        assert 0 < greedy["drafted_per_round"] <= 6 and greedy["first_token_vs_target_only"] > 0
+    # Time to first token, for every system (in-process ones too), and ratios only against another system.
+    assert all(r["first_token_ms"] > 0 for r in runs)
+    assert all(0 < r["first_token_ms"] <= r["seconds"] * 1e3 for r in runs)
+    assert "first_token_vs_target_only" not in rows[("all", 0.0, "target-only")]
     assert rows[("all", 0.0, "target-only")]["speedup_vs_target_only"] == 1.0
     # coding is an MT-bench category: it is also reported pooled, as Spec-Bench's task.
     assert set(report["meta"]["best_gamma"]) == {"coding", "mt_bench", "qa", "all"}
@@ -54,7 +59,7 @@ def test_bench_quick_on_the_tiny_pair(tmp_path, capsys):
 
     table = (out / "bench.md").read_text()
     for heading in ("## coding, T=0", "## mt_bench, T=0", "## qa, T=0.7", "## all, T=0", "## best fixed gamma",
-                    "prefill / draft / verify / overhead"):
+                    "prefill / draft / verify / overhead", "drafted / round", "first token ms (vs target-only)"):
         assert heading in table
     assert table in capsys.readouterr().out
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

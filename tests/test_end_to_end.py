@@ -9,6 +9,7 @@ import torch
 from scipy import stats
 
 import drafter.service
+import verifier.service
 from specdec.models import load_model
 from specdec.sampling import SamplingConfig, scores_to_probs, transform_logits
 from specdec.v1 import common_pb2, coordinator_pb2 as pb
@@ -86,9 +87,32 @@ def test_stream_matches_unary(stack):
     messages = list(stack.coordinator_stub.GenerateStream(request, timeout=60))
     final = messages[-1]
     assert final.finish_reason == unary.finish_reason and final.stats.rounds == unary.stats.rounds
-    assert not final.token_ids and len(messages) - 1 == unary.stats.rounds  # one message per round
+    # The target's first token alone (it streams once the prefill is done), one message per round, the final.
+    assert len(messages[0].token_ids) == 1 and not final.token_ids and len(messages) - 2 == unary.stats.rounds
     assert [t for m in messages for t in m.token_ids] == list(unary.token_ids)
     assert "".join(m.text for m in messages) == unary.text
+
+
+def test_the_first_token_comes_before_the_drafter_prefills_and_the_drafter_then_knows_it(tiny_target):
+    # The target drafting for itself: every draft must be accepted, from the first
+    # round on, which holds only if the drafter's session starts from the prompt
+    # and the target's first token (one token behind, its first draft would be off).
+    servers = [drafter.service.serve(tiny_target), verifier.service.serve(tiny_target)]
+    try:
+        with coordinator_stub(drafter=f"127.0.0.1:{servers[0].port}", verifier=f"127.0.0.1:{servers[1].port}") as stub:
+            for speculation in (pb.Speculation(gamma=3), pb.Speculation(enabled=False)):
+                request = pb.GenerateRequest(prompt=PROMPTS[4], max_new_tokens=25, ignore_eos=True,
+                                             speculation=speculation)
+                messages = list(stub.GenerateStream(request, timeout=60))
+                s = messages[-1].stats
+                assert len(messages[0].token_ids) == 1  # streamed once decided, speculating or not
+                assert 0 < s.first_token_ms <= s.total_ms
+                if speculation.gamma:
+                    assert 0 < s.accepted_tokens == s.draft_tokens
+                    assert s.first_token_ms <= s.prefill_ms  # the drafter's prefill came after it
+    finally:
+        for server in servers:
+            server.stop(0)
 
 
 def test_chat_messages_apply_the_template(stack, tiny_target):

@@ -5,9 +5,10 @@ import math
 
 import pytest
 import torch
+from scipy import stats
 
 from specdec.errors import InvalidArgument
-from specdec.sampling import SamplingConfig, make_generator, scores_to_probs, transform_logits
+from specdec.sampling import SamplingConfig, make_generator, sample_from, scores_to_probs, transform_logits
 from specdec.wire import decode_probs, encode_probs, round_probs_for_wire, sampling_from_proto, sampling_to_proto
 from specdec.v1 import common_pb2
 
@@ -98,3 +99,24 @@ def test_fp16_rounding_of_a_large_vocabulary_stays_within_the_tolerance():
         probs = torch.softmax(logits, dim=-1)
         received = decode_probs(encode_probs(probs), 4, 151_936)
         assert torch.allclose(received.sum(dim=-1), torch.ones(4), atol=1e-5)
+
+
+def test_sample_from_draws_the_distribution_and_never_a_zero():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.25, 0.05, 0.0])  # zeros first, inside and last
+    generator = torch.Generator().manual_seed(3)
+    draws = [sample_from(probs * 3.0, generator) for _ in range(20_000)]  # unnormalized is fine
+    counts = torch.bincount(torch.tensor(draws), minlength=probs.numel()).double()
+    assert counts[probs == 0].sum() == 0
+    support = probs > 0
+    assert stats.chisquare(counts[support], 20_000 * probs[support].double()).pvalue > 1e-3
+    # A lopsided distribution is still sampled, not collapsed to its mode.
+    assert stats.chisquare(counts[support], 20_000 * torch.tensor([0.25, 0.25, 0.25, 0.25])).pvalue < 1e-6
+
+
+def test_sample_from_is_reproducible_for_a_seed_and_finds_a_lone_last_id():
+    probs = torch.softmax(torch.randn(151_936, generator=torch.Generator().manual_seed(0)), dim=0)
+    first = [sample_from(probs, torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert first[0] == first[1]
+    last = torch.zeros(10)
+    last[-1] = 1e-30  # all the mass on the last id, and a tiny one
+    assert all(sample_from(last, torch.Generator().manual_seed(s)) == 9 for s in range(20))

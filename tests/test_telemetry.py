@@ -71,7 +71,10 @@ def test_span_tree_and_attributes(traced):
         assert ra["specdec.first_rejected_position"] == (accepted if accepted < drafted else -1)
         assert isinstance(ra["specdec.bonus"], bool) and ra["specdec.gamma"] == drafted
         children = [s for s in spans if s.parent and s.parent.span_id == r.context.span_id]
-        for method in ("/specdec.v1.Drafter/Propose", "/specdec.v1.Verifier/Verify"):
+        # A round of γ = 0 (the last token of a request, or drafting off) verifies without proposing.
+        proposed = ("/specdec.v1.Drafter/Propose",) if ra["specdec.gamma"] else ()
+        assert ra["specdec.gamma"] or r is rounds[-1]  # here, only the last can have nothing to draft
+        for method in (*proposed, "/specdec.v1.Verifier/Verify"):
             (client,) = [c for c in children if c.name == method and c.kind == SpanKind.CLIENT]
             (server,) = [s for s in spans if s.kind == SpanKind.SERVER and s.parent
                          and s.parent.span_id == client.context.span_id]

@@ -1,6 +1,9 @@
 """All torch work of a process runs on one thread (see specdec.torch_thread)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -44,3 +47,17 @@ def test_set_threads_reaches_the_torch_thread():
         assert torch_thread.run(torch.get_num_threads) == 1
     finally:
         torch_thread.set_threads(before)
+
+
+@pytest.mark.parametrize("service", ["drafter", "verifier"])
+def test_model_services_let_idle_openmp_workers_sleep_soon_unless_told_otherwise(service):
+    # Importing the entry module sets it before torch loads (-W error: a late call warns).
+    code = f"import os, {service}.__main__, torch; print(os.environ.get('GOMP_SPINCOUNT'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    run = lambda extra: subprocess.run([sys.executable, "-W", "error", "-c", code], env={**env, **extra},
+                                       capture_output=True, text=True, timeout=120)
+    default = run({})
+    assert default.returncode == 0, default.stderr
+    assert default.stdout.strip() == torch_thread.SPIN_COUNT
+    assert run({"GOMP_SPINCOUNT": "77"}).stdout.strip() == "77"
+    assert run({"OMP_WAIT_POLICY": "PASSIVE"}).stdout.strip() == "None"

@@ -8,7 +8,7 @@ from specdec.errors import InvalidArgument
 from specdec.kv_cache import SequenceCache
 from specdec.models import LoadedModel
 from specdec.rejection import RejectionOutput, greedy_accept, rejection_sample
-from specdec.sampling import SamplingConfig, make_generator, scores_to_probs, transform_logits
+from specdec.sampling import SamplingConfig, make_generator, sample_from, scores_to_probs, transform_logits
 
 
 class TargetSession:
@@ -74,7 +74,7 @@ class TargetSession:
             if sampling.greedy:
                 token = int(scores[0].argmax())
             else:
-                token = int(torch.multinomial(scores_to_probs(scores)[0], 1, generator=self._generator(sampling)))
+                token = sample_from(scores_to_probs(scores)[0], self._generator(sampling))
             self.seq.append([token])
             out.append(token)
             if token in self.loaded.eos_token_ids:

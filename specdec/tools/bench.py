@@ -12,9 +12,8 @@ in an order rotated per prompt, so drift in machine load is shared):
                fixed gamma is the run's own noise floor
   target-only  the same services with speculation off
   target-only-bf16, spec-auto-bf16  (unless --no-bf16) a second stack with the
-               previous default's settings: the target in bf16 and transformers'
-               forward in both model services (`specdec up --target-quantize none
-               --forward hf`), so each figure has its "before" in the same run
+               target in bf16 (`specdec up --target-quantize none`): the
+               precision where verifying rows is nearly free
   hf-generate  in-process transformers `generate()` with the target in bf16
   hf-assisted  in-process transformers assisted generation, `assistant_model=`
                the same (INT8) draft weights: the peer a user would otherwise pick
@@ -43,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from specdec.tools import launcher
 from specdec import torch_thread
@@ -90,6 +90,7 @@ class Run:
     prefill_ms: float = 0.0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    first_token_ms: float = 0.0  # from the call until the first token was decided
 
     @property
     def tokens_per_second(self) -> float:
@@ -164,7 +165,7 @@ class ServiceSystems:
         assert stats.prompt_tokens == len(prompt_ids), (stats.prompt_tokens, len(prompt_ids))
         return Run(system, question.question_id, question.category, temperature, len(response.token_ids), seconds,
                    list(response.token_ids), stats.rounds, stats.draft_tokens, stats.accepted_tokens,
-                   stats.prefill_ms, stats.draft_ms, stats.verify_ms)
+                   stats.prefill_ms, stats.draft_ms, stats.verify_ms, stats.first_token_ms)
 
     def close(self) -> None:
         self.channel.close()
@@ -184,16 +185,33 @@ class InProcessSystems:
         extra = dict(assistant_model=self.draft.model) if system == HF_ASSISTED else {}
         torch.manual_seed(seed)
         start = time.perf_counter()
+        first = _FirstToken()
         with torch.no_grad():
             out = self.target.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                             max_new_tokens=self.max_new_tokens,
+                                             max_new_tokens=self.max_new_tokens, streamer=first,
                                              pad_token_id=self.target.eos_token_ids[0], **sampling, **extra)
         seconds = time.perf_counter() - start
         new = out[0, ids.shape[1]:].tolist()
         # Count as the services do: output stops before the first EOS.
         eos = set(self.target.eos_token_ids)
         cut = next((i for i, t in enumerate(new) if t in eos), len(new))
-        return Run(system, question.question_id, question.category, temperature, cut, seconds, new[:cut])
+        return Run(system, question.question_id, question.category, temperature, cut, seconds, new[:cut],
+                   first_token_ms=(first.at - start) * 1e3 if first.at else 0.0)
+
+
+class _FirstToken(BaseStreamer):
+    """When generate() put out its first new token (its first put() is the prompt)."""
+
+    def __init__(self):
+        self.puts, self.at = 0, 0.0
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
 
 
 class LlamaCppSystems:
@@ -230,14 +248,17 @@ class LlamaCppSystems:
         sampling = dict(temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0)
         out: list[int] = []
         start = time.perf_counter()
+        first_token_ms = 0.0
         for token in llm.generate(prompt_ids, reset=True, **sampling):
+            first_token_ms = first_token_ms or (time.perf_counter() - start) * 1e3
             if token in self.eos:
                 break
             out.append(token)
             if len(out) >= self.max_new_tokens:
                 break
         seconds = time.perf_counter() - start
-        return Run(system, question.question_id, question.category, temperature, len(out), seconds, out)
+        return Run(system, question.question_id, question.category, temperature, len(out), seconds, out,
+                   first_token_ms=first_token_ms)
 
 
 class _LlamaCppDraft:
@@ -292,7 +313,11 @@ def summarize(runs: list[Run], systems: list[str]) -> list[dict]:
                    seconds=round(seconds, 3), tokens_per_second=round(tokens / seconds, 3) if seconds else 0.0)
         drafted, accepted, rounds = (sum(getattr(r, k) for r in group) for k in (
             "draft_tokens", "accepted_tokens", "rounds"))
+        firsts = [r.first_token_ms for r in group if r.first_token_ms > 0]
+        if firsts:
+            row["first_token_ms"] = round(statistics.median(firsts), 1)
         if drafted:
+            row["drafted_per_round"] = round(drafted / rounds, 3)
             prefill_s, draft_s, verify_s = (sum(getattr(r, k) for r in group) / 1e3 for k in (
                 "prefill_ms", "draft_ms", "verify_ms"))
             row.update(acceptance_rate=round(accepted / drafted, 4),
@@ -312,6 +337,13 @@ def summarize(runs: list[Run], systems: list[str]) -> list[dict]:
                            ("speedup_vs_hf_assisted", HF_ASSISTED)):
             if speed.get((*key, base)):
                 row[name] = round(row["tokens_per_second"] / speed[(*key, base)], 3)
+    # Time to first token against target-only of the same precision (the bf16 stack's against its own).
+    first = {(r["category"], r["temperature"], r["system"]): r.get("first_token_ms") for r in rows}
+    for row in rows:
+        base = TARGET_ONLY_BF16 if row["system"].endswith(BF16) else TARGET_ONLY
+        mine, theirs = row.get("first_token_ms"), first.get((row["category"], row["temperature"], base))
+        if mine and theirs and row["system"] != base:
+            row["first_token_vs_target_only"] = round(mine / theirs, 3)
     return rows
 
 
@@ -354,10 +386,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"temperatures {meta['temperatures']}, torch threads {meta['threads']}, {meta['wall_s']:.0f} s in all. "
              "tok/s counts output tokens over client-side wall time, prefill included.", ""]
     header = ("| system | tok/s | vs target-only | vs target-only-bf16 | vs hf-assisted | acceptance | "
-              "mean acc. len | prefill / draft / verify / overhead | greedy identical |")
+              "drafted / round | mean acc. len | first token ms (vs target-only) | "
+              "prefill / draft / verify / overhead | greedy identical |")
     for category in dict.fromkeys(r["category"] for r in rows):
         for temperature in dict.fromkeys(r["temperature"] for r in rows if r["category"] == category):
-            lines += [f"## {category}, T={temperature:g}", "", header, "|" + "---|" * 9]
+            lines += [f"## {category}, T={temperature:g}", "", header, "|" + "---|" * 11]
             for r in rows:
                 if r["category"] != category or r["temperature"] != temperature:
                     continue
@@ -365,10 +398,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
                     if "draft_share" in r else ""
                 speedups = [f"{r[k]:.2f}x" if k in r else "" for k in (
                     "speedup_vs_target_only", "speedup_vs_target_only_bf16", "speedup_vs_hf_assisted")]
+                first = f"{r['first_token_ms']:.0f}" if "first_token_ms" in r else ""
+                if "first_token_vs_target_only" in r:
+                    first += f" ({r['first_token_vs_target_only']:.2f}x)"
                 lines.append(
                     f"| {r['system']} | {r['tokens_per_second']:.2f} | {' | '.join(speedups)} | "
-                    f"{r.get('acceptance_rate', '')} | "
-                    f"{r.get('mean_accepted_length', '')} | {split} | {r.get('greedy_identical', '')} |")
+                    f"{r.get('acceptance_rate', '')} | {r.get('drafted_per_round', '')} | "
+                    f"{r.get('mean_accepted_length', '')} | {first} | {split} | {r.get('greedy_identical', '')} |")
             lines.append("")
     picks, keys = meta["best_gamma"], meta["temperature_keys"]
     replica = any("replica_vs_best" in pick for temps in picks.values() for pick in temps.values())
@@ -435,7 +471,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-hf", action="store_true", help="skip the in-process transformers baselines")
     p.add_argument("--no-target-only", action="store_true", help="skip target-only (no speedups against it)")
     p.add_argument("--no-bf16", action="store_true",
-                   help="skip the second stack (bf16 target, transformers' forward: the previous default)")
+                   help="skip the second stack (bf16 target)")
     p.add_argument("--llama-cpp", action="store_true",
                    help="also run llama.cpp on the target's GGUF (needs llama-cpp-python)")
     p.add_argument("--replicate-gamma", type=int, metavar="N",
@@ -489,9 +525,9 @@ def main(argv: list[str] | None = None) -> int:
         services = ServiceSystems(coordinator.address, args.max_new_tokens)
         bf16_services = None
         if AUTO_BF16 in systems:
-            say("starting the bf16 stack (bf16 target, transformers' forward)")
+            say("starting the bf16 stack (bf16 target)")
             stacks.append(launcher.Stack(launcher.StackOptions.for_pair(
-                pair, port=0, threads=args.threads, target_quantize="none", forward="hf")))
+                pair, port=0, threads=args.threads, target_quantize="none")))
             bf16_services = ServiceSystems(stacks[-1].launch().address, args.max_new_tokens)
         target = load_model(pair.target, dtype=pair.target_dtype)
         in_process = None
