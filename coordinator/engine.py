@@ -161,9 +161,19 @@ class SpeculativeEngine:
         first = self.verifier.decode(session_id, 1, request.sampling, timeout())
         stats.prefill_ms = (time.perf_counter() - started) * 1e3
         yield first
-        # 2. The proposer's prefill: the prompt and the first token.
+        # 2. Adaptive γ: draft only if drafting is expected to save more than the
+        #    proposer's prefill of this prompt costs.
+        controller = GammaController(request.gamma_max, self.gamma_priors.start(request.sampling)) \
+            if request.adaptive else None
+        context = (*request.prompt_ids, *first)
+        if controller is not None and not controller.prefill_pays(len(context), request.max_new_tokens - 1):
+            stats.fallback = (f"drafting was not expected to save what the drafter's prefill of the "
+                              f"{len(context)}-token prompt costs; this request went target-only")
+            yield from self._target_only_rounds(session_id, request, stats, output, timeout)
+            return
+        # 3. The proposer's prefill: the prompt and the first token.
         prefilled = time.perf_counter()
-        proposer.start(session_id, (*request.prompt_ids, *first))
+        proposer.start(session_id, context)
         try:
             proposer.ready()
         except ProposerUnavailable as exc:
@@ -171,9 +181,12 @@ class SpeculativeEngine:
             yield from self._target_only_rounds(session_id, request, stats, output, timeout)
             return
         finally:
-            stats.prefill_ms += (time.perf_counter() - prefilled) * 1e3
-        # 3. Speculative rounds.
-        yield from self._speculative_rounds(session_id, request, proposer, stats, output, timeout)
+            prefill_ms = (time.perf_counter() - prefilled) * 1e3
+            stats.prefill_ms += prefill_ms
+        if controller is not None:
+            controller.state.cost.observe_draft_prefill(len(context), prefill_ms)
+        # 4. Speculative rounds.
+        yield from self._speculative_rounds(session_id, request, proposer, stats, output, timeout, controller)
 
     @staticmethod
     def _check_caller(cancelled, timeout, stats: Stats) -> None:
@@ -191,9 +204,8 @@ class SpeculativeEngine:
         self.on_proposer_failure(exc)
 
     def _speculative_rounds(self, session_id: str, request: GenerationRequest, proposer: Proposer, stats: Stats,
-                            output: OutputAccumulator, timeout) -> Iterator[list[int]]:
-        controller = GammaController(request.gamma_max, self.gamma_priors.start(request.sampling)) \
-            if request.adaptive else None
+                            output: OutputAccumulator, timeout,
+                            controller: GammaController | None) -> Iterator[list[int]]:
         try:
             yield from self._rounds(session_id, request, proposer, stats, output, timeout, controller)
         except ProposerUnavailable as exc:

@@ -113,16 +113,30 @@ class CostModel:
     draft: EwLinearFit = field(default_factory=lambda: EwLinearFit(default=(1.0, 25.0), a_over_b=0.05))
     verify: EwLinearFit = field(default_factory=lambda: EwLinearFit(default=(100.0, 5.0), b_over_a=0.05))
     verify_curve: RowCurve | None = None  # from the verifier's Info; the line above is the fallback
+    # The proposer's prefill, ms per prompt token (0: free or unknown): from the
+    # drafter's Info, then an EWMA over measured prefills.
+    draft_prefill: float = 0.0
+    draft_prefills_seen: int = 0
 
     @classmethod
-    def from_curves(cls, draft_ms: Sequence[float], verify_ms: Sequence[float]) -> "CostModel":
+    def from_curves(cls, draft_ms: Sequence[float], verify_ms: Sequence[float],
+                    draft_prefill_ms_per_token: float = 0.0) -> "CostModel":
         """Start from the services' measured curves (either may be empty: not measured)."""
-        model = cls()
+        model = cls(draft_prefill=float(draft_prefill_ms_per_token))
         if draft_ms:  # a draft token: one 1-row forward, plus a little for sampling and the RPC
             model.draft = EwLinearFit(default=(1.0, float(draft_ms[0]) * 1.1), a_over_b=0.05)
         if verify_ms:
             model.verify_curve = RowCurve(verify_ms)
         return model
+
+    def observe_draft_prefill(self, tokens: int, ms: float, rate: float = 0.2) -> None:
+        if tokens <= 0:
+            return
+        self.draft_prefills_seen += 1
+        self.draft_prefill += max(rate, 1 / self.draft_prefills_seen) * (ms / tokens - self.draft_prefill)
+
+    def draft_prefill_ms(self, tokens: int) -> float:
+        return self.draft_prefill * tokens
 
     def observe(self, gamma: int, draft_ms: float, verify_ms: float) -> None:
         if gamma > 0:
@@ -296,6 +310,21 @@ class GammaController:
 
     def best(self) -> int:
         return max(range(self.gamma_max + 1), key=self.goodput)
+
+    def prefill_pays(self, prompt_tokens: int, new_tokens: int) -> bool:
+        """Whether drafting this request is expected to save more than the
+        proposer's prefill of its prompt costs. A long prompt with few tokens to
+        generate (rag, summarization) can cost the drafter more to read than
+        drafting then saves, where the target is cheap per token (int4). A
+        prefill of no more than one target step always pays: that keeps requests
+        drafting, and so the estimates learning, wherever prompts are short."""
+        cost = self.state.cost
+        prefill_ms = cost.draft_prefill_ms(prompt_tokens)
+        if prefill_ms <= cost.verify_ms(0) or self.gamma_max < 1:
+            return True
+        best = max(range(1, self.gamma_max + 1), key=self.goodput)
+        saving_ms = new_tokens * (cost.round_ms(0) - 1e3 / max(self.goodput(best), 1e-9))
+        return saving_ms > prefill_ms
 
     def required_acceptance(self) -> float:
         """How likely a drafted token must be accepted for drafting past it to pay.

@@ -86,7 +86,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             max_propose_tokens=max_propose, gamma_max=config.gamma_max or curve_gamma_max(target.forward_ms),
             max_token_chars=max_token_chars(backends.tokenizer))
         self.metrics = Metrics()
-        cost = CostModel.from_curves(list(draft.forward_ms) if draft else [], list(target.forward_ms))
+        cost = CostModel.from_curves(list(draft.forward_ms) if draft else [], list(target.forward_ms),
+                                     draft.prefill_ms_per_token if draft else 0.0)
         self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids),
                                         self.metrics, on_proposer_failure=self._proposer_failed, cost=cost)
         self._in_flight = 0  # Generate calls admitted and not yet finished

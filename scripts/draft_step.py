@@ -21,7 +21,7 @@ from drafter.service import serve
 from specdec import torch_thread
 from specdec.kv_cache import SequenceCache
 from specdec.models import load_model
-from specdec.sampling import SamplingConfig, scores_to_probs, transform_logits
+from specdec.sampling import SamplingConfig, sample_from, scores_to_probs, transform_logits
 from specdec.serving import channel
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.wire import encode_probs, round_probs_for_wire
@@ -76,7 +76,8 @@ def main() -> int:
     rows["round_probs_for_wire"] = _ms(in_thread(lambda: round_probs_for_wire(probs)), 50)
     sent = torch_thread.run(round_probs_for_wire, probs)
     generator = torch.Generator().manual_seed(0)
-    rows["multinomial"] = _ms(in_thread(lambda: torch.multinomial(sent[0], 1, generator=generator)), 50)
+    rows["torch.multinomial (before)"] = _ms(in_thread(lambda: torch.multinomial(sent[0], 1, generator=generator)), 50)
+    rows["sample_from (now)"] = _ms(in_thread(lambda: sample_from(sent[0], generator)), 50)
     rows["encode_probs (1 row)"] = _ms(in_thread(lambda: encode_probs(probs)), 50)
     greedy_scores = torch_thread.run(transform_logits, logits, seq.tokens, [], SamplingConfig(), loaded.vocab_size)
     rows["greedy argmax + confidence"] = _ms(in_thread(lambda: (

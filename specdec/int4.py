@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
 from gguf.quants import Q4_K
 from torch import nn
+
+from specdec import dense_rows
 
 GROUP = 32
 INNER_K_TILES = 2  # the packing layout the CPU kernel expects with this group size
@@ -108,11 +111,52 @@ class Int4Linear(nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, self.packed, GROUP, self.scales_and_zeros).float().t().contiguous()
 
+    def codes(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """[end - start, K] uint8 0..15: rows start..end of the codes, read back out of
+        the kernel's packing (start, and end unless it is N, on 64-row blocks). Rows
+        come in blocks of 64 stored [K, 32] bytes, the low nibble row d of the block
+        and the high nibble row d + 32; a last partial block of r rows is [K, r/2]
+        bytes holding rows 2j (low) and 2j + 1 (high)."""
+        n, k = self.out_features, self.in_features
+        end = n if end is None else end
+        assert start % PACK_BLOCK_ROWS == 0 and (end == n or end % PACK_BLOCK_ROWS == 0), (start, end)
+        flat = self.packed.reshape(-1)
+        full = min(end, n // PACK_BLOCK_ROWS * PACK_BLOCK_ROWS)
+        parts = []
+        if full > start:
+            blocks = flat[start * k // 2: full * k // 2].view(-1, k, PACK_BLOCK_ROWS // 2)       # [B, K, 32]
+            parts.append(torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(-1, k))
+        if end > full:
+            tail = flat[full * k // 2:].view(k, (n - full) // 2)                               # [K, r/2]
+            parts.append(torch.stack([tail & 15, tail >> 4], dim=2).reshape(k, n - full).t())  # [r, K]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def dense_weight(self) -> torch.Tensor:
+        """[N, K] in the kernel's dtype: w = (q - 8) * scale + zero = q * scale - min,
+        per group of 32, computed in fp32 as the kernel does (q * scale and min nearly
+        cancel where the weight is small, which bf16 steps would lose)."""
+        n, k = self.out_features, self.in_features
+        scale, zero = (t.t().float() for t in self.scales_and_zeros.unbind(-1))           # [N, K/32] each
+        minimum = (8 * scale - zero)[:, :, None]
+        scale = scale[:, :, None]
+
+        def chunk(start: int, end: int) -> torch.Tensor:
+            codes = self.codes(start, end).view(end - start, k // GROUP, GROUP).float()
+            return codes.mul_(scale[start:end]).sub_(minimum[start:end]).view(end - start, k)
+        return dense_rows.unpack(n, k, self.dtype, chunk)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, GROUP, self.scales_and_zeros.contiguous())  # a fused layer's part holds a strided view
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense_weight())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, self.in_features).to(self.dtype), self.packed, GROUP,
-            self.scales_and_zeros.contiguous())  # a part of a fused layer holds a strided view
+        x2 = x.reshape(-1, self.in_features).to(self.dtype)                             # [rows, K]
+        y = dense_rows.run(("int4", self.out_features, self.in_features), x2.shape[0],
+                           lambda: self._kernel(x2), lambda: self._dense(x2))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)

@@ -27,8 +27,10 @@ import functools
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from specdec import dense_rows
 from specdec.errors import FailedPrecondition
 
 @functools.cache
@@ -94,10 +96,18 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("scales", scales.bfloat16(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
 
+    def dense_weight(self) -> torch.Tensor:
+        """[out, in] bf16: the int8 rows times their scales."""
+        scales = self.scales.float()[:, None]
+        return dense_rows.unpack(self.out_features, self.in_features, torch.bfloat16,
+                                 lambda start, end: self.qweight[start:end].float().mul_(scales[start:end]))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features], in x's dtype
         flat = x.reshape(-1, self.in_features).bfloat16()
-        out = torch._weight_int8pack_mm(flat, self.qweight, self.scales).to(x.dtype)
+        out = dense_rows.run(("int8", self.out_features, self.in_features), flat.shape[0],
+                             lambda: torch._weight_int8pack_mm(flat, self.qweight, self.scales),
+                             lambda: F.linear(flat, self.dense_weight())).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)

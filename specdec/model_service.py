@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Generic, Iterator, Protocol, Sequence, TypeVar
 
 from specdec import torch_thread
@@ -45,7 +46,7 @@ class ModelServiceBase(Generic[S]):
         self.sessions = store
         self._new_session = new_session
         self._tokenizer_files: dict[str, bytes] | None = None
-        self.forward_ms: list[float] = []  # the cost curve, once measured
+        self.curve = CostCurve([], 0.0)  # measured at warm-up
 
     def Info(self, request, context) -> common_pb2.ModelInfo:
         m = self.loaded
@@ -53,7 +54,8 @@ class ModelServiceBase(Generic[S]):
             model=m.name, dtype=m.dtype, device=str(m.device), quantization=m.quantization,
             vocab_size=m.vocab_size, model_vocab_size=m.model_vocab_size, max_context=m.max_context,
             eos_token_ids=list(m.eos_token_ids), tokenizer_fingerprint=m.fingerprint,
-            active_sessions=len(self.sessions), max_propose_tokens=MAX_PROPOSE_TOKENS, forward_ms=self.forward_ms)
+            active_sessions=len(self.sessions), max_propose_tokens=MAX_PROPOSE_TOKENS,
+            forward_ms=self.curve.forward_ms, prefill_ms_per_token=self.curve.prefill_ms_per_token)
 
     def GetTokenizer(self, request, context) -> common_pb2.TokenizerFiles:
         if self._tokenizer_files is None:
@@ -102,16 +104,28 @@ def warm_up(loaded: LoadedModel) -> None:
 CURVE_PREFIX = 128  # tokens cached before each timed forward: a short prompt's worth
 
 
-def cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> list[float]:
+@dataclass(frozen=True)
+class CostCurve:
+    forward_ms: list[float]        # [rows] one forward over 1..rows new rows after the prefix
+    prefill_ms_per_token: float    # the prefix's prefill, per token
+
+
+def cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> CostCurve:
     """The least ms of `repeats` forwards over 1..rows new rows after a CURVE_PREFIX-token
     prefix: what verifying γ = rows - 1 drafts costs, or a draft step (1 row).
     Rows are not free in every precision (int4 takes 4 a kernel pass), so the
-    coordinator plans γ on this curve rather than on a line."""
+    coordinator plans γ on this curve rather than on a line. And what the prefix's
+    prefill cost per token: the coordinator weighs a drafter's prefill of a long
+    prompt against what drafting can save."""
     if rows <= 0:
-        return []
+        return CostCurve([], 0.0)
     ids = [(7 * i + 3) % loaded.vocab_size for i in range(CURVE_PREFIX + rows)]
-    seq = SequenceCache(loaded, ids[:CURVE_PREFIX])
-    seq.prefill()
+    prefills = []
+    for _ in range(2):
+        seq = SequenceCache(loaded, ids[:CURVE_PREFIX])
+        started = time.perf_counter()
+        seq.prefill()  # all but the last prefix token
+        prefills.append((time.perf_counter() - started) * 1e3 / (CURVE_PREFIX - 1))
     seq.forward([], keep_last=1)
     curve = []
     for n in range(1, rows + 1):
@@ -122,7 +136,7 @@ def cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> list[float]:
             times.append((time.perf_counter() - started) * 1e3)
             seq.truncate(CURVE_PREFIX)  # the rollback a rejected draft gets
         curve.append(round(min(times), 3))  # the least disturbed: another process may share the cores
-    return curve
+    return CostCurve(curve, round(min(prefills), 4))
 
 
 def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, service_name: str,
@@ -139,8 +153,9 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
                            max_workers=max_sessions + 8, tls=tls, uds=uds)
     running.on_stop = store.close
     torch_thread.run(warm_up, loaded)
-    servicer.forward_ms = torch_thread.run(cost_curve, loaded, cost_curve_rows)
-    log.info("%s: forward ms by rows (1..%d): %s", service_name, len(servicer.forward_ms),
-             ", ".join(f"{ms:.1f}" for ms in servicer.forward_ms))
+    servicer.curve = torch_thread.run(cost_curve, loaded, cost_curve_rows)
+    log.info("%s: forward ms by rows (1..%d): %s; prefill %.2f ms a token", service_name,
+             len(servicer.curve.forward_ms), ", ".join(f"{ms:.1f}" for ms in servicer.curve.forward_ms),
+             servicer.curve.prefill_ms_per_token)
     running.set_serving(True)
     return running

@@ -115,6 +115,29 @@ def test_the_first_token_comes_before_the_drafter_prefills_and_the_drafter_then_
             server.stop(0)
 
 
+def test_adaptive_gamma_skips_the_drafter_where_its_prefill_costs_more_than_drafting_saves(stack, tiny_draft,
+                                                                                           tiny_target):
+    # Both services publish measured costs; a 600-token prompt for 4 new tokens costs
+    # the drafter far more to read than 4 tokens of drafting can save.
+    servers = [drafter.service.serve(tiny_draft, cost_curve_rows=2), verifier.service.serve(tiny_target,
+                                                                                            cost_curve_rows=3)]
+    try:
+        with coordinator_stub(drafter=f"127.0.0.1:{servers[0].port}", verifier=f"127.0.0.1:{servers[1].port}") as stub:
+            long_prompt = pb.TokenIds(ids=[(11 * i + 5) % 500 for i in range(600)])
+            request = pb.GenerateRequest(token_ids=long_prompt, max_new_tokens=4, ignore_eos=True)
+            skipped = stub.Generate(request, timeout=60)
+            assert skipped.stats.draft_tokens == 0 and "prefill" in skipped.stats.fallback
+            request.speculation.enabled = False
+            assert list(skipped.token_ids) == list(stub.Generate(request, timeout=60).token_ids)
+            # A short prompt is drafted as before (its prefill is within one target step).
+            short = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 17]), max_new_tokens=30,
+                                                     ignore_eos=True), timeout=60)
+            assert short.stats.draft_tokens > 0 and not short.stats.fallback
+    finally:
+        for server in servers:
+            server.stop(0)
+
+
 def test_chat_messages_apply_the_template(stack, tiny_target):
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     request = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in chat]),

@@ -76,7 +76,8 @@ def test_drafter_killed_mid_request_finishes_target_only_and_exact(models):
         reference = list(stub.Generate(long_request(speculate=False), timeout=60).token_ids)
         assert len(reference) == LONG
         stream = stub.GenerateStream(long_request(), timeout=60)
-        received = list(next(stream).token_ids)
+        # The target's first token alone, then a speculative round: the drafter is in use.
+        received = list(next(stream).token_ids) + list(next(stream).token_ids)
         draft.kill()
         final = None
         for message in stream:  # no error reaches the client
@@ -104,7 +105,7 @@ def test_a_hung_drafter_is_given_up_on_after_the_drafter_timeout(models):
         # Long enough that it is still streaming well after the drafter is given up on.
         reference = list(c.stub.Generate(long_request(speculate=False, tokens=1000), timeout=60).token_ids)
         stream = c.stub.GenerateStream(long_request(tokens=1000), timeout=60)
-        received = list(next(stream).token_ids)
+        received = list(next(stream).token_ids) + list(next(stream).token_ids)  # the first token, a round
         draft.child.process.send_signal(signal.SIGSTOP)  # alive, connected, and silent
         stopped_at, final = time.monotonic(), None
         try:

@@ -279,3 +279,37 @@ def test_where_every_row_costs_a_forward_drafting_is_off():
 
 def test_the_gamma_bound_comes_from_the_measured_rows():
     assert curve_gamma_max(INT4_CURVE) == 16 and curve_gamma_max([]) == 8 and curve_gamma_max([5.0]) == 1
+
+
+# The default pair at int4 as measured: a draft step about half a target step,
+# drafts accepted 0.8 of the time, the drafter's prefill 1.2 ms a prompt token.
+MEASURED_INT4 = [38.7, 41.5, 47.6, 52.3, 95.9]
+
+
+def test_a_long_prompt_is_not_drafted_where_drafting_saves_less_than_the_drafters_prefill():
+    controller = controller_on(MEASURED_INT4, draft_ms_per_token=22.0, alpha=0.8)
+    controller.state.cost.draft_prefill = 1.2
+    best = max(range(1, 17), key=controller.goodput)
+    saving_per_token = controller.state.cost.round_ms(0) - 1e3 / controller.goodput(best)
+    assert 0 < saving_per_token < 6  # drafting pays a little here, per token
+    assert controller.prefill_pays(prompt_tokens=100, new_tokens=512)
+    assert not controller.prefill_pays(prompt_tokens=1500, new_tokens=64)   # rag: 1.8 s to save < 0.4 s
+    assert controller.prefill_pays(prompt_tokens=1500, new_tokens=2048)     # ... unless there is much to generate
+    assert controller.prefill_pays(prompt_tokens=20, new_tokens=1)          # within a target step: always
+
+
+def test_where_drafting_saves_much_a_long_prompt_is_drafted():
+    controller = controller_on(BF16_CURVE, draft_ms_per_token=6.0, alpha=0.9)
+    controller.state.cost.draft_prefill = 1.2
+    assert controller.prefill_pays(prompt_tokens=1500, new_tokens=64)
+
+
+def test_the_drafters_prefill_cost_starts_from_its_info_and_follows_measured_prefills():
+    cost = CostModel.from_curves([20.0], MEASURED_INT4, draft_prefill_ms_per_token=2.0)
+    assert cost.draft_prefill_ms(100) == 200.0
+    cost.observe_draft_prefill(100, 100.0)             # the first measurement replaces the prior
+    assert cost.draft_prefill_ms(100) == pytest.approx(100.0)
+    for _ in range(40):
+        cost.observe_draft_prefill(1000, 1500.0)
+    assert cost.draft_prefill_ms(100) == pytest.approx(150.0, rel=0.01)
+    assert CostModel().draft_prefill_ms(1000) == 0.0   # unknown (an n-gram proposer): free

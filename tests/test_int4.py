@@ -143,3 +143,22 @@ def test_int4_on_cuda_is_torchaos_and_says_how_to_get_it(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)  # as where it is not installed
     with pytest.raises(FailedPrecondition, match="pip install torchao"):
         quantize_cuda(torch.nn.Linear(64, 64))
+
+
+def test_the_codes_and_the_dense_weight_read_back_out_of_the_kernels_packing():
+    # Whole 64-row blocks, and a last partial block of each size the packing allows.
+    for rows in (64, 80, 96, 112, 192):
+        raw = random_q4k(rows, 256, seed=rows)
+        layer = Int4Linear.from_q4k(raw, rows, 256)
+        codes, _, _ = q4k_codes(raw, rows, 256)
+        assert torch.equal(layer.codes(), torch.from_numpy(codes).to(torch.uint8)), rows
+        dense = layer.dense_weight()
+        assert dense.dtype == torch.bfloat16 and dense.shape == (rows, 256)
+        # The weight the kernel applies (read out through it), within a bf16 rounding.
+        assert torch.allclose(dense.float(), layer.dequantized(), rtol=2.0 ** -7, atol=1e-6), rows
+    # Parts of a fused layer read their own rows out of the shared buffers.
+    parts = [Int4Linear.from_q4k(random_q4k(rows, 256, seed=rows), rows, 256) for rows in (64, 128, 32)]
+    before = [p.dense_weight() for p in parts]
+    fused = Int4Linear.concat(parts)
+    assert all(torch.equal(p.dense_weight(), b) for p, b in zip(parts, before))
+    assert torch.equal(fused.dense_weight(), torch.cat(before))

@@ -152,5 +152,6 @@ def test_a_model_service_publishes_its_cost_curve_in_info(tiny_target):
         with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
             info = verifier_pb2_grpc.VerifierStub(ch).Info(common_pb2.InfoRequest())
         assert len(info.forward_ms) == 5 and all(ms > 0 for ms in info.forward_ms)
+        assert info.prefill_ms_per_token > 0
     finally:
         running.stop(0)

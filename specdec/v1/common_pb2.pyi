@@ -21,7 +21,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "dtype", "device", "quantization", "vocab_size", "model_vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "active_sessions", "max_propose_tokens", "forward_ms")
+    __slots__ = ("model", "dtype", "device", "quantization", "vocab_size", "model_vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "active_sessions", "max_propose_tokens", "forward_ms", "prefill_ms_per_token")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class ModelInfo(_message.Message):
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_PROPOSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -46,7 +47,8 @@ class ModelInfo(_message.Message):
     active_sessions: int
     max_propose_tokens: int
     forward_ms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., vocab_size: _Optional[int] = ..., model_vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_propose_tokens: _Optional[int] = ..., forward_ms: _Optional[_Iterable[float]] = ...) -> None: ...
+    prefill_ms_per_token: float
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., vocab_size: _Optional[int] = ..., model_vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_propose_tokens: _Optional[int] = ..., forward_ms: _Optional[_Iterable[float]] = ..., prefill_ms_per_token: _Optional[float] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

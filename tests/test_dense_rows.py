@@ -1,0 +1,51 @@
+"""Many rows through a quantized layer: the kernel or a dense matmul on the unpacked
+weight, chosen once per shape and row bucket by timing both; the two agree."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import dense_rows
+from specdec.int4 import Int4Linear
+from specdec.int8 import Int8WeightOnlyLinear
+from tests.test_int4 import random_q4k
+
+
+def int4_layer() -> Int4Linear:
+    return Int4Linear.from_q4k(random_q4k(128, 256, seed=3), 128, 256, torch.randn(128))
+
+
+def int8_layer() -> Int8WeightOnlyLinear:
+    return Int8WeightOnlyLinear(torch.randn(128, 256), torch.randn(128))
+
+
+@pytest.mark.parametrize("make, kind", [(int4_layer, "int4"), (int8_layer, "int8")])
+def test_many_rows_run_whichever_path_measured_faster_and_both_agree(monkeypatch, make, kind):
+    monkeypatch.setattr(dense_rows, "_CHOICE", {})
+    layer = make()
+    weight = layer.dense_weight().float()
+    bias = layer.bias.float()
+    x = torch.randn(100, 256)
+    first = layer(x)
+    key = (kind, 128, 256, 7)  # 100 rows: the 64..127 bucket, timed once
+    assert set(dense_rows._CHOICE) == {key}
+    assert torch.equal(first, layer(x))  # the first call returned the chosen path's output
+    reference = x.to(torch.bfloat16).float() @ weight.t() + bias
+    bound = 4 * 2.0 ** -8 * (x.abs() @ weight.abs().t() + bias.abs())  # a few bf16 roundings
+    for dense in (True, False):
+        dense_rows._CHOICE[key] = dense
+        assert ((layer(x) - reference).abs() <= bound).all(), dense
+    layer(torch.randn(dense_rows.MIN_ROWS - 1, 256))
+    assert set(dense_rows._CHOICE) == {key}  # fewer rows than MIN_ROWS never ask: the kernel runs
+
+
+def test_unpack_fills_every_chunk_in_order(monkeypatch):
+    monkeypatch.setattr(dense_rows, "CHUNK_ROWS", 3)
+    calls = []
+
+    def chunk(start, end):
+        calls.append((start, end))
+        return torch.arange(start, end, dtype=torch.float32)[:, None].expand(end - start, 2)
+    out = dense_rows.unpack(7, 2, torch.bfloat16, chunk)
+    assert calls == [(0, 3), (3, 6), (6, 7)]
+    assert torch.equal(out[:, 0].float(), torch.arange(7, dtype=torch.float32)) and out.dtype == torch.bfloat16
