@@ -5,8 +5,8 @@ forward's attention, two batched matmuls, or torch's fused attention kernel.
 
 The quantized kernels are built for decoding: torch's int4 CPU kernel takes 4
 rows a pass, so its cost grows with the rows (a 1,024-token prefill of the 1.5B
-took 10.1 s in int4 against about 3 in bf16), and int8 weight-only does no
-better. Unpacking the weight costs a fixed few ms a layer, then the dense
+took 10.1 s in int4 against about 3 in bf16), and the int8 layers (weight-only,
+and fbgemm's dynamic GEMM with its int8 activations) do no better. Unpacking the weight costs a fixed few ms a layer, then the dense
 matmul runs at bf16 speed. Which is faster depends on the layer's shape, the
 rows and the machine, so it is measured: the first call of each shape and
 power-of-two row count runs both and remembers. Below MIN_ROWS the kernel is

@@ -69,10 +69,27 @@ class Int8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
         return cls(linear.weight, linear.bias)
 
+    def dense_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[out, in] bf16 (the int8 rows times their scales) and the fp32 bias."""
+        qweight, bias = torch.ops.quantized.linear_unpack(self._packed)
+        codes, scales = qweight.int_repr(), qweight.q_per_channel_scales().float()[:, None]
+        weight = dense_rows.unpack(self.out_features, self.in_features, torch.bfloat16,
+                                   lambda start, end: codes[start:end].float().mul_(scales[start:end]))
+        return weight, bias
+
+    def _dense(self, flat: torch.Tensor) -> torch.Tensor:
+        # A prefill's many rows: bf16 activations against the de-quantized weight
+        # (finer than the per-call int8 activations of the kernel, and faster there).
+        weight, bias = self.dense_weight()
+        out = F.linear(flat.bfloat16(), weight).float()
+        return out if bias is None else out + bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features], in x's dtype
         flat = x.reshape(-1, self.in_features).float()
-        out = torch.ops.quantized.linear_dynamic(flat, self._packed, _reduce_range())
+        out = dense_rows.run(("int8-dynamic", self.out_features, self.in_features), flat.shape[0],
+                             lambda: torch.ops.quantized.linear_dynamic(flat, self._packed, _reduce_range()),
+                             lambda: self._dense(flat))
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -49,3 +49,22 @@ def test_unpack_fills_every_chunk_in_order(monkeypatch):
     out = dense_rows.unpack(7, 2, torch.bfloat16, chunk)
     assert calls == [(0, 3), (3, 6), (6, 7)]
     assert torch.equal(out[:, 0].float(), torch.arange(7, dtype=torch.float32)) and out.dtype == torch.bfloat16
+
+
+def test_the_int8_dynamic_layer_takes_bf16_activations_on_the_dense_path(monkeypatch):
+    from specdec.int8 import Int8Linear
+    monkeypatch.setattr(dense_rows, "_CHOICE", {})
+    layer = Int8Linear(torch.randn(128, 256), torch.randn(128))
+    weight, bias = layer.dense_weight()
+    assert weight.dtype == torch.bfloat16 and weight.shape == (128, 256)
+    x = torch.randn(100, 256)
+    reference = x @ weight.float().t() + bias
+    key = ("int8-dynamic", 128, 256, 7)
+    dense_rows._CHOICE[key] = True
+    bf16_bound = 4 * 2.0 ** -8 * (x.abs() @ weight.float().abs().t())
+    assert ((layer(x) - reference).abs() <= bf16_bound).all()
+    dense_rows._CHOICE[key] = False  # the kernel: int8 activations, coarser (a step of max|x| / 127 per input)
+    kernel_error = (layer(x) - reference).abs()
+    assert (kernel_error <= (x.abs().amax() / 127) * weight.float().abs().sum(1)).all()
+    dense_rows._CHOICE[key] = True
+    assert (layer(x) - reference).abs().mean() < kernel_error.mean()  # bf16 activations are the finer
