@@ -167,6 +167,7 @@ class SpeculativeEngine:
             if request.adaptive else None
         context = (*request.prompt_ids, *first)
         if controller is not None and not controller.prefill_pays(len(context), request.max_new_tokens - 1):
+            stats.gamma = 0
             stats.fallback = (f"drafting was not expected to save what the drafter's prefill of the "
                               f"{len(context)}-token prompt costs; this request went target-only")
             yield from self._target_only_rounds(session_id, request, stats, output, timeout)

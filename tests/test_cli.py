@@ -80,6 +80,9 @@ def test_up_generate_and_stop():
         target_only = specdec("generate", "--addr", f"127.0.0.1:{port}", "--prompt", "def add(a, b):",
                               "--max-new-tokens", "12", "--json", "--no-speculation", *auth)
         assert json.loads(target_only.stdout)["tokenIds"] == response["tokenIds"]
+        summary = specdec("generate", "--addr", f"127.0.0.1:{port}", "--prompt", "def add(a, b):",
+                          "--max-new-tokens", "12", "--stats", *auth)
+        assert summary.returncode == 0 and "first token" in summary.stderr and "drafted" in summary.stderr
         streamed = specdec("generate", "--addr", f"127.0.0.1:{port}", "--prompt", "def add(a, b):",
                            "--max-new-tokens", "12", "--stream", *auth)
         assert streamed.returncode == 0 and streamed.stdout.strip() == response["text"].strip()

@@ -126,7 +126,7 @@ def test_adaptive_gamma_skips_the_drafter_where_its_prefill_costs_more_than_draf
             long_prompt = pb.TokenIds(ids=[(11 * i + 5) % 500 for i in range(600)])
             request = pb.GenerateRequest(token_ids=long_prompt, max_new_tokens=4, ignore_eos=True)
             skipped = stub.Generate(request, timeout=60)
-            assert skipped.stats.draft_tokens == 0 and "prefill" in skipped.stats.fallback
+            assert skipped.stats.draft_tokens == 0 and skipped.stats.gamma == 0 and "prefill" in skipped.stats.fallback
             request.speculation.enabled = False
             assert list(skipped.token_ids) == list(stub.Generate(request, timeout=60).token_ids)
             # A short prompt is drafted as before (its prefill is within one target step).

@@ -130,7 +130,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"{coordinator_pb2.FinishReason.Name(response.finish_reason)}; {s.rounds} rounds, {s.draft_tokens} drafted (last gamma {s.gamma}), "
               f"acceptance {s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}; "
               f"prefill {s.prefill_ms:.0f} ms, draft {s.draft_ms:.0f} ms, verify {s.verify_ms:.0f} ms, "
-              f"overhead {s.overhead_ms:.0f} ms]", file=sys.stderr)
+              f"overhead {s.overhead_ms:.0f} ms; first token {s.first_token_ms:.0f} ms]", file=sys.stderr)
+        if s.fallback:
+            print(f"[target-only: {s.fallback}]", file=sys.stderr)
     return 0
 
 
