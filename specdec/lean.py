@@ -90,6 +90,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     kv_heads, length, _ = k.shape
     if mask is None:
         return _bmm_attention(q, k, v, mask)
+    if q.device.type != "cpu":  # kernels run asynchronously there: host timing would not tell
+        return _sdpa_attention(q, k, v, mask)
     return dense_rows.run(("attention", heads, kv_heads, dim), rows, lambda: _bmm_attention(q, k, v, mask),
                           lambda: _sdpa_attention(q, k, v, mask))
 

@@ -36,6 +36,25 @@ def test_lean_logits_equal_transformers_over_prefill_verify_and_rollback(tiny_ta
     assert torch.allclose(got, hf_logits(tiny_target.model, tokens[:31] + [7, 8])[-2:], atol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_prefills_many_rows_give_transformers_logits_on_either_attention_path(tiny_target, monkeypatch, fused):
+    # Rows >= dense_rows.MIN_ROWS may take torch's fused attention: from an empty
+    # cache (causal) and after a cached prefix (masked), as the choice falls.
+    from specdec import dense_rows
+    monkeypatch.setattr(dense_rows, "_CHOICE", {})
+    tokens = [(13 * i + 5) % 500 for i in range(220)]
+    forward = tiny_target.lean
+    heads = (forward.heads, forward.kv_heads, forward.head_dim)
+    for rows in (100, 120):  # both in the 64..127 bucket
+        dense_rows._CHOICE[("attention", *heads, rows.bit_length())] = fused
+    cache = forward.new_cache()
+    # fp32 sums over 100+ positions in another order: within 1e-4 of logits of size ~5.
+    got = forward(torch.tensor(tokens[:100]), cache, keep_last=100)                # causal, from empty
+    assert torch.allclose(got, hf_logits(tiny_target.model, tokens[:100]), atol=1e-4)
+    got = forward(torch.tensor(tokens[100:220]), cache, keep_last=120)             # masked, after 100
+    assert torch.allclose(got, hf_logits(tiny_target.model, tokens)[-120:], atol=1e-4)
+
+
 def test_the_cache_grows_past_its_chunk_and_keeps_what_it_held(tiny_target):
     forward = tiny_target.lean
     tokens = [(i * 37) % 500 + 3 for i in range(lean.CHUNK + 40)]
