@@ -10,7 +10,7 @@ from specdec.cli_common import add_lifecycle_args, add_tls_server_args, server_t
 from specdec.errors import SpecdecError
 from specdec.security import ClientTls, load_token
 from specdec.serving import MAX_PUBLIC_MESSAGE_BYTES
-from specdec.serving import run_until_signal
+from specdec.serving import catch_stop_signals, run_until_signal
 
 from coordinator.service import CoordinatorConfig, serve
 
@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
             drafter_timeout_s=args.drafter_timeout,
             auth_token=load_token(args.auth_token_env, args.auth_token_file),
             backend_tls=ClientTls.from_args(args.backend_tls_ca, args.backend_tls_cert, args.backend_tls_key))
+        stopping = catch_stop_signals()
         running, backends = serve(config, host=args.host, port=args.port)
         start_health(running, args)
     except (SpecdecError, TimeoutError, ValueError, OSError) as exc:
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"coordinator: refusing to start: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     print(f"coordinator SERVING on {running.address}", flush=True)
-    run_until_signal(running, grace_s=args.grace_period, on_stop=backends.close)
+    run_until_signal(running, grace_s=args.grace_period, on_stop=backends.close, stopping=stopping)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from specdec import telemetry, torch_thread
 from specdec.errors import SpecdecError
 from specdec.models import LoadedModel, load_model
 from specdec.security import ServerTls
-from specdec.serving import RunningServer, run_until_signal, serve_health
+from specdec.serving import RunningServer, catch_stop_signals, run_until_signal, serve_health
 
 
 def setup_logging(name: str) -> None:
@@ -85,6 +85,7 @@ def run_model_service(name: str, args: argparse.Namespace,
         tls = server_tls(args)
         loaded: LoadedModel = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
                                         head_vocab=args.head_vocab, forward=args.forward)
+        stopping = catch_stop_signals()
         running = serve(loaded, host=args.host, port=args.port, session_ttl_s=args.session_ttl,
                         max_sessions=args.max_sessions, tls=tls, uds=args.uds,
                         cost_curve_rows=args.cost_curve_rows)
@@ -94,4 +95,4 @@ def run_model_service(name: str, args: argparse.Namespace,
         sys.exit(2)
     # One parseable line, for `specdec up` and for people.
     print(f"{name} SERVING on {running.address} model={loaded.name}", flush=True)
-    run_until_signal(running, grace_s=args.grace_period)
+    run_until_signal(running, grace_s=args.grace_period, stopping=stopping)

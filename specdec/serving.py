@@ -142,16 +142,25 @@ def serve_health(running: RunningServer, host: str, port: int) -> int:
     return bound
 
 
-def run_until_signal(running: RunningServer, grace_s: float = 10.0, on_stop: Callable[[], None] | None = None) -> None:
-    """Block until SIGTERM/SIGINT, then NOT_SERVING, graceful stop, flush spans."""
+def catch_stop_signals() -> threading.Event:
+    """SIGTERM/SIGINT set the returned event from now on. Called before a service
+    starts serving, so that a signal right after it reports SERVING is not missed."""
     stopping = threading.Event()
 
     def handle(signum, _frame) -> None:
-        log.info("signal %d: NOT_SERVING, draining for up to %.0f s", signum, grace_s)
+        log.info("signal %d: NOT_SERVING, draining", signum)
         stopping.set()
 
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
+    return stopping
+
+
+def run_until_signal(running: RunningServer, grace_s: float = 10.0, on_stop: Callable[[], None] | None = None,
+                     stopping: threading.Event | None = None) -> None:
+    """Block until SIGTERM/SIGINT (`stopping`, from catch_stop_signals), then
+    NOT_SERVING, graceful stop (in-flight calls get grace_s), flush spans."""
+    stopping = stopping or catch_stop_signals()
     stopping.wait()
     running.stop(grace_s)
     if on_stop:

@@ -184,7 +184,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(models):
     with channel(child.address) as ch:
         stub = coordinator_pb2_grpc.CoordinatorStub(ch)
         stream = stub.GenerateStream(long_request(), timeout=60)
-        received = list(next(stream).token_ids)
+        received = [t for _ in range(3) for t in next(stream).token_ids]  # the first token, then rounds
         child.process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         refused = rpc_error(stub.Generate, long_request(), timeout=10)
@@ -204,7 +204,8 @@ def test_sigterm_cancels_what_outlives_the_grace_period(models):
         stream = coordinator_pb2_grpc.CoordinatorStub(ch).GenerateStream(
             pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=1000, ignore_eos=True,
                                speculation=pb.Speculation(gamma=1)), timeout=60)
-        next(stream)
+        for _ in range(3):  # the first token, then speculative rounds: well inside the request
+            next(stream)
         started = time.monotonic()
         child.process.send_signal(signal.SIGTERM)
         with pytest.raises(grpc.RpcError):
