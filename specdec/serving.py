@@ -161,7 +161,10 @@ def run_until_signal(running: RunningServer, grace_s: float = 10.0, on_stop: Cal
     """Block until SIGTERM/SIGINT (`stopping`, from catch_stop_signals), then
     NOT_SERVING, graceful stop (in-flight calls get grace_s), flush spans."""
     stopping = stopping or catch_stop_signals()
-    stopping.wait()
+    # Waking now and then: a signal delivered to another thread only sets a flag,
+    # and Python runs the handler when the main thread next runs Python code.
+    while not stopping.wait(0.2):
+        pass
     running.stop(grace_s)
     if on_stop:
         on_stop()
