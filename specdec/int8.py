@@ -57,6 +57,13 @@ def _pack(weight: torch.Tensor, bias: torch.Tensor | None):
     return torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.detach().float())
 
 
+def _dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """codes [out, in] int8 times their per-row scales [out] -> [out, in] bf16, in cache-sized pieces."""
+    scales = scales.float()[:, None]
+    return dense_rows.unpack(codes.shape[0], codes.shape[1], torch.bfloat16,
+                             lambda start, end: codes[start:end].float().mul_(scales[start:end]))
+
+
 class Int8Linear(nn.Module):
     """y = x W^T + b with W in int8 (per-channel scales), x quantized per call."""
 
@@ -72,10 +79,7 @@ class Int8Linear(nn.Module):
     def dense_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[out, in] bf16 (the int8 rows times their scales) and the fp32 bias."""
         qweight, bias = torch.ops.quantized.linear_unpack(self._packed)
-        codes, scales = qweight.int_repr(), qweight.q_per_channel_scales().float()[:, None]
-        weight = dense_rows.unpack(self.out_features, self.in_features, torch.bfloat16,
-                                   lambda start, end: codes[start:end].float().mul_(scales[start:end]))
-        return weight, bias
+        return _dequantized(qweight.int_repr(), qweight.q_per_channel_scales()), bias
 
     def _dense(self, flat: torch.Tensor) -> torch.Tensor:
         # A prefill's many rows: bf16 activations against the de-quantized weight
@@ -115,9 +119,7 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         """[out, in] bf16: the int8 rows times their scales."""
-        scales = self.scales.float()[:, None]
-        return dense_rows.unpack(self.out_features, self.in_features, torch.bfloat16,
-                                 lambda start, end: self.qweight[start:end].float().mul_(scales[start:end]))
+        return _dequantized(self.qweight, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features], in x's dtype
