@@ -12,7 +12,7 @@ import grpc
 from opentelemetry import trace
 
 from specdec.errors import TRANSPORT_CODES, RemoteError, public_message
-from specdec.proposer import Commit, Proposal, Proposer, ProposerUnavailable, Verdict
+from specdec.proposer import BatchLoad, Commit, Decoded, Proposal, Proposer, ProposerUnavailable, Verdict
 from specdec.sampling import SamplingConfig
 from specdec import telemetry
 from specdec.security import ClientTls
@@ -82,12 +82,13 @@ class VerifierClient(ModelClient):
         reply = self.call("Verify", verifier_pb2.VerifyRequest(
             session_id=session_id, draft_token_ids=proposal.token_ids,
             draft_probs_fp16=proposal.draft_probs_fp16, sampling=sampling_to_proto(sampling)), timeout)
-        return Verdict(reply.num_accepted, reply.next_token_id, reply.bonus)
+        return Verdict(reply.num_accepted, reply.next_token_id, reply.bonus, BatchLoad.from_proto(reply.batch))
 
     def decode(self, session_id: str, num_tokens: int, sampling: SamplingConfig,
-               timeout: float | None = None) -> list[int]:
-        return list(self.call("Decode", verifier_pb2.DecodeRequest(
-            session_id=session_id, num_tokens=num_tokens, sampling=sampling_to_proto(sampling)), timeout).token_ids)
+               timeout: float | None = None) -> Decoded:
+        reply = self.call("Decode", verifier_pb2.DecodeRequest(
+            session_id=session_id, num_tokens=num_tokens, sampling=sampling_to_proto(sampling)), timeout)
+        return Decoded(list(reply.token_ids), BatchLoad.from_proto(reply.batch))
 
 
 class DrafterClient(ModelClient):
@@ -111,7 +112,8 @@ class DrafterClient(ModelClient):
             request.commit.num_accepted = commit.num_accepted
             request.commit.target_token_ids.extend(commit.target_token_ids)
         reply = self.stub.Propose(request, timeout=timeout)
-        return Proposal(tuple(reply.draft_token_ids), reply.draft_probs_fp16, tuple(reply.draft_confidences))
+        return Proposal(tuple(reply.draft_token_ids), reply.draft_probs_fp16, tuple(reply.draft_confidences),
+                        BatchLoad.from_proto(reply.batch))
 
 
 class RemoteDraftProposer(Proposer):

@@ -18,7 +18,7 @@ from specdec.sampling import SamplingConfig
 from specdec import telemetry
 
 from coordinator.clients import VerifierClient
-from coordinator.gamma import CostModel, GammaController, GammaPriors
+from coordinator.gamma import CostModel, GammaController, GammaPriors, VerifierLoad
 from coordinator.metrics import Metrics
 from coordinator.output import Delta, OutputAccumulator
 from coordinator.rounds import RoundRecord
@@ -55,6 +55,10 @@ class Stats:
     total_ms: float = 0.0
     output_tokens: int = 0
     fallback: str = ""  # why this request went target-only: the proposer failed, or was down from the start
+    verify_queue_ms: float = 0.0   # the verifier's batching: waits for a forward, summed
+    draft_queue_ms: float = 0.0
+    verify_rows: float = 0.0       # rows of the forwards each verifier call shared, summed over calls
+    verify_calls: int = 0          # verifier calls that reported their batching
 
     def record(self, round: RoundRecord) -> None:
         self.rounds += 1
@@ -62,6 +66,11 @@ class Stats:
         self.accepted_tokens += round.accepted
         self.draft_ms += round.draft_ms
         self.verify_ms += round.verify_ms
+        self.verify_queue_ms += round.verify_queue_ms
+        self.draft_queue_ms += round.draft_queue_ms
+        if round.verify_batch_rows:
+            self.verify_rows += round.verify_batch_rows
+            self.verify_calls += 1
         grow = round.drafted - len(self.drafted_at)
         if grow > 0:
             self.drafted_at += [0] * grow
@@ -69,6 +78,10 @@ class Stats:
         for position, accepted in enumerate(round.accepted_by_position):
             self.drafted_at[position] += 1
             self.accepted_at[position] += accepted
+
+    @property
+    def verify_batch_rows(self) -> float:
+        return self.verify_rows / self.verify_calls if self.verify_calls else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -107,6 +120,8 @@ class SpeculativeEngine:
         self.eos_token_ids = eos_token_ids
         # What earlier requests learned about γ, starting from the services' cost curves.
         self.gamma_priors = GammaPriors(cost=cost)
+        # How full the verifier's batched forwards are now, from every request's calls.
+        self.verifier_load = VerifierLoad()
         self.metrics = metrics or Metrics()
         self.on_proposer_failure = on_proposer_failure
 
@@ -158,18 +173,19 @@ class SpeculativeEngine:
             return
         # The session caches all but the prompt's last token; the forward over it is
         # the rest of the prefill, and its token is the first (not a round).
-        first = self.verifier.decode(session_id, 1, request.sampling, timeout())
+        first = self._observe_load(self.verifier.decode(session_id, 1, request.sampling, timeout())).token_ids
         stats.prefill_ms = (time.perf_counter() - started) * 1e3
         yield first
         # 2. Adaptive γ: draft only if drafting is expected to save more than the
         #    proposer's prefill of this prompt costs.
-        controller = GammaController(request.gamma_max, self.gamma_priors.start(request.sampling)) \
-            if request.adaptive else None
+        controller = GammaController(request.gamma_max, self.gamma_priors.start(request.sampling),
+                                     load=self.verifier_load) if request.adaptive else None
         context = (*request.prompt_ids, *first)
         if controller is not None and not controller.prefill_pays(len(context), request.max_new_tokens - 1):
             stats.gamma = 0
             stats.fallback = (f"drafting was not expected to save what the drafter's prefill of the "
-                              f"{len(context)}-token prompt costs; this request went target-only")
+                              f"{len(context)}-token prompt costs (with {controller.calls():.1f} calls sharing each "
+                              "verifier forward); this request went target-only")
             yield from self._target_only_rounds(session_id, request, stats, output, timeout)
             return
         # 3. The proposer's prefill: the prompt and the first token.
@@ -238,6 +254,7 @@ class SpeculativeEngine:
                 started = time.perf_counter()
                 verdict = self.verifier.verify(session_id, proposal, request.sampling, timeout())
                 verify_ms = (time.perf_counter() - started) * 1e3
+                self._observe_load(verdict)
                 # 4. The round's tokens: accepted drafts, then the recovered or bonus token.
                 new_tokens = [*proposal.token_ids[: verdict.num_accepted], verdict.next_token_id]
                 # 5. Remember what the proposer must commit next time it is called
@@ -246,10 +263,17 @@ class SpeculativeEngine:
                     Commit(commit.num_accepted, commit.target_token_ids + (verdict.next_token_id,))
                 # 6. Record the round once: stats, metrics, the controller and the span read it.
                 record = RoundRecord(stats.rounds, gamma, len(proposal.token_ids), verdict.num_accepted,
-                                     verdict.bonus, draft_ms, verify_ms, min_confidence, proposal.confidences)
+                                     verdict.bonus, draft_ms, verify_ms, min_confidence, proposal.confidences,
+                                     proposal.batch.mean_rows, proposal.batch.mean_calls, proposal.batch.queue_ms,
+                                     verdict.batch.mean_rows, verdict.batch.mean_calls, verdict.batch.queue_ms)
                 self._record(record, stats, controller)
                 span.set_attributes(record.span_attributes())
             yield new_tokens
+
+    def _observe_load(self, reply):
+        """A verifier reply's batching: the load every request's γ plans with."""
+        self.verifier_load.observe(reply.batch)
+        return reply
 
     def _record(self, record: RoundRecord, stats: Stats, controller: GammaController | None) -> None:
         stats.record(record)
@@ -270,7 +294,11 @@ class SpeculativeEngine:
     def _decode(self, session_id: str, num_tokens: int, request: GenerationRequest, stats: Stats,
                 timeout) -> list[int]:
         started = time.perf_counter()
-        tokens = self.verifier.decode(session_id, num_tokens, request.sampling, timeout())
-        # Not a speculation round: the stats count it, the round metrics do not.
-        stats.record(RoundRecord(stats.rounds, 0, 0, 0, False, verify_ms=(time.perf_counter() - started) * 1e3))
-        return tokens
+        decoded = self._observe_load(self.verifier.decode(session_id, num_tokens, request.sampling, timeout()))
+        # Not a speculation round: the stats count it, the round metrics do not (but its batching).
+        stats.record(RoundRecord(stats.rounds, 0, 0, 0, False, verify_ms=(time.perf_counter() - started) * 1e3,
+                                 verify_batch_rows=decoded.batch.mean_rows,
+                                 verify_batch_calls=decoded.batch.mean_calls,
+                                 verify_queue_ms=decoded.batch.queue_ms))
+        self.metrics.observe_batch(decoded.batch.mean_rows, decoded.batch.queue_ms)
+        return decoded.token_ids

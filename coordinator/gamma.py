@@ -22,15 +22,24 @@ plus a little per token). γ = 0 is plain target decoding: no drafter call.
   not freeze the estimates of the deeper positions;
 * within a round, γ is an upper bound: the drafter stops after a token it is
   unsure of (`min_confidence`), so easy stretches get long drafts and hard ones
-  short drafts, which no fixed γ can do.
+  short drafts, which no fixed γ can do;
+* under load, the verifier batches the rows of many requests into one forward
+  (continuous batching). A round's verify cost is then its share of a forward
+  in which every request drafts as this one does: curve(n·(γ+1)) / n for n
+  calls a forward (`VerifierLoad`, from what the verifier reports). The fixed
+  cost of a forward is shared, the rows are not: as n grows, rejected drafts
+  cost more than they save and γ falls to 0; it rises again as n falls.
 """
 from __future__ import annotations
 
 import copy
+import math
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from specdec.proposer import BatchLoad
 from specdec.sampling import SamplingConfig
 
 from coordinator.rounds import RoundRecord
@@ -99,10 +108,29 @@ class RowCurve:
     def __call__(self, rows: int) -> float:
         i = min(max(rows, 1), len(self.measured)) - 1
         value = self.estimate[i] if self.seen[i] else self.measured[i] + self.offset
-        if rows > len(self.measured):  # past the measured rows: the last step again, per row
-            step = self.measured[-1] - self.measured[-2] if len(self.measured) > 1 else self.measured[-1]
-            value += (rows - len(self.measured)) * max(step, 0.0)
+        if rows > len(self.measured):
+            value += (rows - len(self.measured)) * self.slope()
         return max(value, 0.0)
+
+    def slope(self) -> float:
+        """ms per row past the measured rows: the mean slope of the curve's upper
+        half (the last step alone can be a whole kernel pass, or noise)."""
+        n = len(self.measured)
+        if n < 2:
+            return self.measured[0]
+        half = n // 2
+        return max((self.measured[-1] - self.measured[half - 1]) / (n - half), 0.0)
+
+    def forward_ms(self, rows: float) -> float:
+        """The measured forward over `rows` rows (fractional: interpolated), without
+        the per-call offset: what one batched forward of that many rows costs."""
+        rows = max(rows, 1.0)
+        n = len(self.measured)
+        if rows >= n:
+            return self.measured[-1] + (rows - n) * self.slope()
+        lo = int(rows)
+        frac = rows - lo
+        return self.measured[lo - 1] + frac * (self.measured[lo] - self.measured[lo - 1])
 
 
 @dataclass
@@ -138,23 +166,58 @@ class CostModel:
     def draft_prefill_ms(self, tokens: int) -> float:
         return self.draft_prefill * tokens
 
-    def observe(self, gamma: int, draft_ms: float, verify_ms: float) -> None:
-        if gamma > 0:
+    def observe(self, gamma: int, draft_ms: float, verify_ms: float, draft_alone: bool = True,
+                verify_alone: bool = True) -> None:
+        """A round's timings. Only calls that ran alone in their forwards teach the
+        cost of γ: a batched call's time is the batch's, which the load accounts for."""
+        if gamma > 0 and draft_alone:
             self.draft.observe(gamma, draft_ms)
+        if not verify_alone:
+            return
         if self.verify_curve is not None:
             self.verify_curve.observe(gamma + 1, verify_ms)
         else:
             self.verify.observe(gamma, verify_ms)
 
-    def verify_ms(self, gamma: int) -> float:
-        return self.verify_curve(gamma + 1) if self.verify_curve is not None else self.verify(gamma)
+    def verify_ms(self, gamma: int, calls: float = 1.0) -> float:
+        """A round's verify cost at γ when `calls` calls share each forward, all of
+        them with γ + 1 rows: this call's share of the batch."""
+        if self.verify_curve is None:
+            return self.verify(gamma)
+        if calls <= LOAD_ALONE:
+            return self.verify_curve(gamma + 1)
+        return self.verify_curve.forward_ms(calls * (gamma + 1)) / calls + self.verify_curve.offset
 
-    def round_ms(self, gamma: int) -> float:
-        return (self.draft(gamma) if gamma > 0 else 0.0) + self.verify_ms(gamma)
+    def round_ms(self, gamma: int, calls: float = 1.0) -> float:
+        return (self.draft(gamma) if gamma > 0 else 0.0) + self.verify_ms(gamma, calls)
 
-    def marginal_verify_ms(self, gamma: int) -> float:
+    def marginal_verify_ms(self, gamma: int, calls: float = 1.0) -> float:
         """What verifying one more draft token costs on top of γ of them."""
-        return max(self.verify_ms(gamma + 1) - self.verify_ms(gamma), 0.0)
+        return max(self.verify_ms(gamma + 1, calls) - self.verify_ms(gamma, calls), 0.0)
+
+
+LOAD_ALONE = 1.05  # calls per forward at or below which a call counts as having run alone
+
+
+class VerifierLoad:
+    """How many calls share each verifier forward now: an EWMA of what the
+    verifier's responses report (their mean calls per forward), fading back to 1
+    (alone) while no response comes. Shared by the requests of a coordinator."""
+
+    def __init__(self, rate: float = 0.3, fade_s: float = 2.0, clock=time.monotonic):
+        self.rate, self.fade_s, self._clock = rate, fade_s, clock
+        self._calls, self._at = 1.0, clock()
+
+    def observe(self, batch: BatchLoad) -> None:
+        if batch.forwards == 0:
+            return
+        calls = self.calls  # faded to now, then moved toward what was seen
+        self._calls, self._at = calls + self.rate * (batch.mean_calls - calls), self._clock()
+
+    @property
+    def calls(self) -> float:
+        age = self._clock() - self._at
+        return 1.0 + (self._calls - 1.0) * math.exp(-age / self.fade_s)
 
 
 @dataclass
@@ -293,9 +356,10 @@ class GammaController:
 
     def __init__(self, gamma_max: int, state: ControllerState | None = None, *, initial_gamma: int = 4,
                  hysteresis: float = 0.04, probe_every: int = 8, probe_gamma: int = 2, warmup_rounds: int = 2,
-                 aging: float = 0.8, max_confidence: float = 0.9):
+                 aging: float = 0.8, max_confidence: float = 0.9, load: VerifierLoad | None = None):
         self.gamma_max = gamma_max
         self.state = state or ControllerState()
+        self.load = load  # None: plan as if alone
         self.hysteresis, self.probe_gamma, self.warmup_rounds = hysteresis, probe_gamma, warmup_rounds
         self.aging = aging
         self.max_confidence = max_confidence  # the early stop never asks for more than this
@@ -304,9 +368,14 @@ class GammaController:
         self.rounds_at_zero = 0
         self.probing = False
 
+    def calls(self) -> float:
+        return self.load.calls if self.load is not None else 1.0
+
     def goodput(self, gamma: int) -> float:
-        """Expected tokens per second at this γ."""
-        return self.state.acceptance.expected_tokens(gamma) / max(self.state.cost.round_ms(gamma), 1e-6) * 1e3
+        """Expected tokens per second at this γ (under load: per second of this
+        request's share of the verifier's forwards)."""
+        round_ms = self.state.cost.round_ms(gamma, self.calls())
+        return self.state.acceptance.expected_tokens(gamma) / max(round_ms, 1e-6) * 1e3
 
     def best(self) -> int:
         return max(range(self.gamma_max + 1), key=self.goodput)
@@ -318,12 +387,12 @@ class GammaController:
         drafting then saves, where the target is cheap per token (int4). A
         prefill of no more than one target step always pays: that keeps requests
         drafting, and so the estimates learning, wherever prompts are short."""
-        cost = self.state.cost
+        cost, calls = self.state.cost, self.calls()
         prefill_ms = cost.draft_prefill_ms(prompt_tokens)
-        if prefill_ms <= cost.verify_ms(0) or self.gamma_max < 1:
+        if (prefill_ms <= cost.verify_ms(0) and calls <= LOAD_ALONE) or self.gamma_max < 1:
             return True
         best = max(range(1, self.gamma_max + 1), key=self.goodput)
-        saving_ms = new_tokens * (cost.round_ms(0) - 1e3 / max(self.goodput(best), 1e-9))
+        saving_ms = new_tokens * (cost.round_ms(0, calls) - 1e3 / max(self.goodput(best), 1e-9))
         return saving_ms > prefill_ms
 
     def required_acceptance(self) -> float:
@@ -334,7 +403,7 @@ class GammaController:
         which saves one token's share of the time, 1/goodput. So drafting goes on
         while P(prev accepted) > cost · goodput / α."""
         _, draft_per_token = self.state.cost.draft.coefficients()
-        cost_ms = max(draft_per_token, 0.0) + self.state.cost.marginal_verify_ms(max(self.gamma, 1))
+        cost_ms = max(draft_per_token, 0.0) + self.state.cost.marginal_verify_ms(max(self.gamma, 1), self.calls())
         tokens_per_ms = self.goodput(max(self.gamma, 1)) / 1e3
         return cost_ms * tokens_per_ms / max(self.state.acceptance.alpha, 0.05)
 
@@ -358,7 +427,8 @@ class GammaController:
         state.rounds += 1
         # What was drafted, not what was asked for: a confidence stop may draft fewer.
         drafted, accepted = round.drafted, round.accepted
-        state.cost.observe(drafted, round.draft_ms, round.verify_ms)
+        state.cost.observe(drafted, round.draft_ms, round.verify_ms, draft_alone=round.draft_batch_calls <= LOAD_ALONE,
+                           verify_alone=round.verify_batch_calls <= LOAD_ALONE)
         if drafted > 0:
             state.acceptance.observe(drafted, accepted)
             state.calibration.observe(round.confidences, accepted)

@@ -34,10 +34,24 @@ class Metrics:
                                buckets=tuple(range(0, 17)))
         self.accepted_length = Histogram("specdec_accepted_length", "Tokens per round (accepted + 1)", registry=r,
                                          buckets=tuple(range(1, 18)))
+        rows = (1, 2, 3, 4, 5, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512)
+        self.verify_batch_rows = Histogram("specdec_verify_batch_rows", "Rows per verifier forward that a Verify "
+                                           "or Decode call shared (continuous batching)", registry=r, buckets=rows)
+        self.draft_batch_rows = Histogram("specdec_draft_batch_rows", "Rows per drafter forward that a Propose "
+                                          "call shared", registry=r, buckets=rows)
+        waits = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5)
+        self.verify_queue_seconds = Histogram("specdec_verify_queue_seconds", "Time a Verify or Decode call "
+                                              "waited for its forwards to start", registry=r, buckets=waits)
+        self.draft_queue_seconds = Histogram("specdec_draft_queue_seconds", "Time a Propose call waited for "
+                                             "its forwards to start", registry=r, buckets=waits)
         self.tokens_per_second = Histogram("specdec_request_tokens_per_second", "Output tokens/s per request",
                                            registry=r, buckets=(.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 50, 100, 200))
 
     def observe_round(self, round: RoundRecord) -> None:
+        self.observe_batch(round.verify_batch_rows, round.verify_queue_ms)
+        if round.drafted:
+            self.draft_batch_rows.observe(round.draft_batch_rows)
+            self.draft_queue_seconds.observe(round.draft_queue_ms / 1e3)
         self.rounds.inc()
         self.gamma.observe(round.gamma)
         self.round_seconds.observe((round.draft_ms + round.verify_ms) / 1e3)
@@ -50,6 +64,12 @@ class Metrics:
                 self.drafted_at.labels(str(position)).inc()
                 if accepted:
                     self.accepted_at.labels(str(position)).inc()
+
+    def observe_batch(self, verify_rows: float, verify_queue_ms: float) -> None:
+        """A verifier call's batching (every round's, and target-only Decode calls')."""
+        if verify_rows:
+            self.verify_batch_rows.observe(verify_rows)
+            self.verify_queue_seconds.observe(verify_queue_ms / 1e3)
 
     def observe_request(self, output_tokens: int, seconds: float, finish_reason: str) -> None:
         self.output_tokens.inc(output_tokens)

@@ -138,7 +138,8 @@ def stats_to_proto(stats: Stats) -> coordinator_pb2.GenerationStats:
         verify_ms=stats.verify_ms, overhead_ms=stats.overhead_ms, total_ms=stats.total_ms,
         tokens_per_second=stats.tokens_per_second,
         prompt_tokens=stats.prompt_tokens, gamma=stats.gamma, fallback=stats.fallback,
-        first_token_ms=stats.first_token_ms)
+        first_token_ms=stats.first_token_ms, verify_batch_rows=stats.verify_batch_rows,
+        verify_queue_ms=stats.verify_queue_ms, draft_queue_ms=stats.draft_queue_ms)
 
 
 def update_to_proto(update: Update, with_stats: bool) -> coordinator_pb2.GenerateResponse:

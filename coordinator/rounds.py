@@ -17,6 +17,13 @@ class RoundRecord:
     verify_ms: float = 0.0
     min_confidence: float = 0.0             # the drafter stopped after a token below this
     confidences: tuple[float, ...] = ()     # [drafted] what the draft gave each of its tokens
+    # The model services' batching: rows per forward this round's calls shared, and their queue waits.
+    draft_batch_rows: float = 0.0
+    draft_batch_calls: float = 0.0
+    draft_queue_ms: float = 0.0
+    verify_batch_rows: float = 0.0
+    verify_batch_calls: float = 0.0
+    verify_queue_ms: float = 0.0
 
     @property
     def accepted_by_position(self) -> list[bool]:
@@ -33,4 +40,9 @@ class RoundRecord:
                 "specdec.draft_tokens": self.drafted, "specdec.accepted_tokens": self.accepted,
                 "specdec.first_rejected_position": self.first_rejected_position, "specdec.bonus": self.bonus,
                 "specdec.draft_ms": self.draft_ms, "specdec.verify_ms": self.verify_ms,
-                "specdec.min_confidence": self.min_confidence}
+                "specdec.min_confidence": self.min_confidence,
+                "specdec.draft.batch_rows": self.draft_batch_rows, "specdec.draft.batch_calls": self.draft_batch_calls,
+                "specdec.draft.queue_ms": self.draft_queue_ms,
+                "specdec.verify.batch_rows": self.verify_batch_rows,
+                "specdec.verify.batch_calls": self.verify_batch_calls,
+                "specdec.verify.queue_ms": self.verify_queue_ms}

@@ -6,7 +6,8 @@ from typing import NamedTuple
 import torch
 
 from specdec.errors import FailedPrecondition, InvalidArgument
-from specdec.kv_cache import SequenceCache
+from specdec.kv_cache import SequenceCache, Steps, drive
+from specdec.kv_pool import KVPool
 from specdec.models import LoadedModel
 from specdec.proposer import Commit
 from specdec.sampling import SamplingConfig, make_generator, sample_from, scores_to_probs, transform_logits
@@ -20,10 +21,12 @@ class Draft(NamedTuple):
 
 
 class DraftSession:
-    def __init__(self, loaded: LoadedModel, prompt_ids: list[int]):
+    def __init__(self, loaded: LoadedModel, prompt_ids: list[int], pool: KVPool | None = None,
+                 prefill: bool = True):
         self.loaded = loaded
-        self.seq = SequenceCache(loaded, prompt_ids)
-        self.seq.prefill()
+        self.seq = SequenceCache(loaded, prompt_ids, pool)
+        if prefill:  # else the caller runs seq.prefill_steps() (a service, through its scheduler)
+            self.seq.prefill()
         self.round_base = len(self.seq)  # tokens before the last proposal
         self.round_drafted = 0           # tokens drafted in it, not yet committed
         self.generator: torch.Generator | None = None
@@ -69,9 +72,12 @@ class DraftSession:
                 f"drafting {num_tokens} tokens at position {length} exceeds the draft model's "
                 f"context window ({self.loaded.max_context})")
 
-    def propose(self, num_tokens: int, sampling: SamplingConfig,
-                min_confidence: float = 0.0) -> Draft:
-        """Draft up to `num_tokens` tokens.
+    def propose(self, num_tokens: int, sampling: SamplingConfig, min_confidence: float = 0.0) -> Draft:
+        return drive(self.propose_steps(num_tokens, sampling, min_confidence))
+
+    def propose_steps(self, num_tokens: int, sampling: SamplingConfig,
+                      min_confidence: float = 0.0) -> Steps[Draft]:
+        """Draft up to `num_tokens` tokens, one Forward step each.
 
         The probabilities returned are exactly those each token was sampled from
         (fp16-rounded, see specdec.wire), as the rejection sampler requires.
@@ -86,7 +92,7 @@ class DraftSession:
         draft_probs: list[torch.Tensor] = []
         confidences: list[float] = []
         for i in range(num_tokens):
-            logits = self.seq.forward(draft_ids[-1:] if i else [], keep_last=1)          # [1, model_vocab]
+            logits = yield from self.seq.step(draft_ids[-1:] if i else [], keep_last=1)  # [1, model_vocab]
             scores = transform_logits(logits, self.seq.tokens, [], sampling, self.loaded.vocab_size)
             if sampling.greedy:
                 draft_ids.append(int(scores[0].argmax()))

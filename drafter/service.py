@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 
-from specdec import torch_thread
 from specdec.errors import InvalidArgument
 from specdec.model_service import MAX_PROPOSE_TOKENS, ModelServiceBase, serve_model, validate_token_ids
 from specdec.models import LoadedModel
@@ -19,7 +18,8 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 
 class DrafterServicer(ModelServiceBase[DraftSession], drafter_pb2_grpc.DrafterServicer):
-    @torch_thread.runs_on_it  # the call's torch work, encoding the probabilities included
+    # The call's torch work (encoding the probabilities included) runs on the torch
+    # thread as steps of the scheduler, each draft step batched with other sessions'.
     def Propose(self, request, context) -> drafter_pb2.ProposeResponse:
         if request.num_tokens > MAX_PROPOSE_TOKENS:
             raise InvalidArgument(f"num_tokens={request.num_tokens} is over the limit of {MAX_PROPOSE_TOKENS}")
@@ -30,14 +30,17 @@ class DrafterServicer(ModelServiceBase[DraftSession], drafter_pb2_grpc.DrafterSe
                   if request.HasField("commit") else None)
         if commit is not None:
             validate_token_ids(commit.target_token_ids, self.loaded.vocab_size, "commit.target_token_ids")
-        with self.session(request.session_id) as session:
+
+        def steps(session: DraftSession):
             session.check_room(session.length_after(commit), request.num_tokens)  # before anything changes
             session.commit(commit)
-            draft = session.propose(request.num_tokens, sampling, request.min_confidence)
-        return drafter_pb2.ProposeResponse(
-            draft_token_ids=draft.token_ids,
-            draft_probs_fp16=encode_probs(draft.draft_probs) if draft.draft_probs is not None else b"",
-            draft_confidences=draft.confidences)
+            draft = yield from session.propose_steps(request.num_tokens, sampling, request.min_confidence)
+            return draft, encode_probs(draft.draft_probs) if draft.draft_probs is not None else b""
+
+        with self.session(request.session_id) as session:
+            (draft, probs), batch = self.run_call(steps(session))
+        return drafter_pb2.ProposeResponse(draft_token_ids=draft.token_ids, draft_probs_fp16=probs,
+                                           draft_confidences=draft.confidences, batch=batch)
 
 
 def serve(loaded: LoadedModel, **kwargs) -> RunningServer:

@@ -70,6 +70,14 @@ def add_model_args(parser: argparse.ArgumentParser, default_quantize: str) -> No
     parser.add_argument("--cost-curve-rows", type=int, default=17,
                         help="at warm-up, time one forward over 1..N new rows and publish the curve in Info, "
                              "for the coordinator's choice of γ (0 = do not measure)")
+    parser.add_argument("--kv-cache-mb", type=float, default=0.0,
+                        help="KV cache budget of all sessions together; growth past it is refused with "
+                             "RESOURCE_EXHAUSTED (0 = 40%% of the memory available at start)")
+    parser.add_argument("--prefill-chunk", type=int, default=256,
+                        help="prompt tokens per prefill forward: a long prompt holds up other sessions' rounds "
+                             "by one chunk at a time")
+    parser.add_argument("--max-batch-rows", type=int, default=512,
+                        help="most rows in one batched forward (within it, the cost curve sizes each batch)")
     add_tls_server_args(parser)
     add_lifecycle_args(parser)
 
@@ -88,7 +96,8 @@ def run_model_service(name: str, args: argparse.Namespace,
         stopping = catch_stop_signals()
         running = serve(loaded, host=args.host, port=args.port, session_ttl_s=args.session_ttl,
                         max_sessions=args.max_sessions, tls=tls, uds=args.uds,
-                        cost_curve_rows=args.cost_curve_rows)
+                        cost_curve_rows=args.cost_curve_rows, kv_cache_mb=args.kv_cache_mb,
+                        prefill_chunk=args.prefill_chunk, max_batch_rows=args.max_batch_rows)
         start_health(running, args)
     except (SpecdecError, ValueError, OSError) as exc:
         log.error("%s", exc)

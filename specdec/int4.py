@@ -24,7 +24,7 @@ from specdec import dense_rows
 
 GROUP = 32
 INNER_K_TILES = 2  # the packing layout the CPU kernel expects with this group size
-PACK_BLOCK_ROWS = 64  # the CPU packing lays out output rows in blocks of 64
+PACK_BLOCK_ROWS = 64  # row granularity of reads and fused parts: a whole number of any packing block
 
 
 def q4k_codes(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -47,6 +47,51 @@ def q4k_codes(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.nda
     codes = (nibbles & np.uint8(0x0F)).reshape(rows, cols)
     groups = cols // GROUP
     return codes, scale.reshape(rows, groups), minimum.reshape(rows, groups)
+
+
+def unpack_codes(flat: torch.Tensor, n: int, k: int, start: int, end: int, block: int,
+                 halves: bool) -> torch.Tensor:
+    """Rows start..end ([end - start, K] uint8) of an [N, K] code matrix packed by
+    torch's CPU int4 packing into `flat` bytes. Rows come in blocks of `block`
+    (64 with AVX-512, 32 with AVX2), each stored [K, block/2] bytes: with `halves`,
+    byte j holds row j (low nibble) and row j + block/2 (high); a last partial
+    block of r rows (and, without `halves`, every block) is [K, r/2] bytes holding
+    rows 2j (low) and 2j + 1 (high). start is on a block (end too, unless it is N)."""
+    full = min(end, n // block * block)
+    parts = []
+    if full > start:
+        blocks = flat[start * k // 2: full * k // 2].view(-1, k, block // 2)                 # [B, K, block/2]
+        if halves:
+            rows = torch.cat([blocks & 15, blocks >> 4], dim=2)                             # [B, K, block]
+        else:
+            rows = torch.stack([blocks & 15, blocks >> 4], dim=3).reshape(-1, k, block)
+        parts.append(rows.transpose(1, 2).reshape(-1, k))
+    if end > full:
+        tail = flat[full * k // 2:].view(k, (n - full) // 2)                                   # [K, r/2]
+        parts.append(torch.stack([tail & 15, tail >> 4], dim=2).reshape(k, n - full).t())      # [r, K]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+_LAYOUT: tuple[int, bool] | None = None
+_LAYOUTS = ((64, True), (32, True), (32, False), (64, False))  # AVX-512, AVX2, the plain and others
+
+
+def pack_layout() -> tuple[int, bool]:
+    """How this machine's torch packs int4 codes (it depends on the CPU's vector
+    width): found once by packing known codes and reading them back each way."""
+    global _LAYOUT
+    if _LAYOUT is None:
+        n, k = 112, 64  # a partial last block for either block size
+        probe = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+        flat = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, INNER_K_TILES).reshape(-1)
+        for layout in _LAYOUTS:
+            if torch.equal(unpack_codes(flat, n, k, 0, n, *layout).to(torch.int32), probe):
+                _LAYOUT = layout
+                break
+        else:
+            raise RuntimeError("torch's int4 CPU packing is in none of the known layouts: "
+                               "int4 weights cannot be unpacked for dense prefills")
+    return _LAYOUT
 
 
 class Int4Linear(nn.Module):
@@ -113,23 +158,11 @@ class Int4Linear(nn.Module):
 
     def codes(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """[end - start, K] uint8 0..15: rows start..end of the codes, read back out of
-        the kernel's packing (start, and end unless it is N, on 64-row blocks). Rows
-        come in blocks of 64 stored [K, 32] bytes, the low nibble row d of the block
-        and the high nibble row d + 32; a last partial block of r rows is [K, r/2]
-        bytes holding rows 2j (low) and 2j + 1 (high)."""
+        the kernel's packing (start, and end unless it is N, on 64-row blocks)."""
         n, k = self.out_features, self.in_features
         end = n if end is None else end
         assert start % PACK_BLOCK_ROWS == 0 and (end == n or end % PACK_BLOCK_ROWS == 0), (start, end)
-        flat = self.packed.reshape(-1)
-        full = min(end, n // PACK_BLOCK_ROWS * PACK_BLOCK_ROWS)
-        parts = []
-        if full > start:
-            blocks = flat[start * k // 2: full * k // 2].view(-1, k, PACK_BLOCK_ROWS // 2)       # [B, K, 32]
-            parts.append(torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(-1, k))
-        if end > full:
-            tail = flat[full * k // 2:].view(k, (n - full) // 2)                               # [K, r/2]
-            parts.append(torch.stack([tail & 15, tail >> 4], dim=2).reshape(k, n - full).t())  # [r, K]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return unpack_codes(self.packed.reshape(-1), n, k, start, end, *pack_layout())
 
     def dense_weight(self) -> torch.Tensor:
         """[N, K] in the kernel's dtype: w = (q - 8) * scale + zero = q * scale - min,

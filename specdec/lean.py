@@ -26,6 +26,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # Qwe
 
 from specdec import dense_rows
 from specdec.int4 import Int4Linear
+from specdec.kv_pool import KVPool
 
 FAMILIES = ("llama", "qwen2")
 CHUNK = 256  # cache growth step, in tokens
@@ -50,12 +51,19 @@ def supports(model: nn.Module) -> str | None:
 
 
 class StaticKVCache:
-    """Keys and values of every layer for one sequence: [layers, 2, kv_heads, capacity, head_dim]."""
+    """Keys and values of every layer for one sequence: [layers, 2, kv_heads, capacity, head_dim].
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    Its capacity grows in CHUNK-token pages taken from a KVPool, which bounds what
+    all of a service's sessions hold together; the pages go back when the cache
+    is dropped (the session ended or was reaped)."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 pool: KVPool | None = None):
         self.shape = (layers, 2, kv_heads, 0, head_dim)
         self.buffer = torch.empty(self.shape, dtype=dtype, device=device)
         self.length = 0
+        self.pool = pool
+        self.page_tokens = pool.hold(self) if pool is not None else None  # [tokens held], shared with the pool
 
     def get_seq_length(self) -> int:
         return self.length
@@ -70,6 +78,8 @@ class StaticKVCache:
             return
         grown = max(length, 2 * capacity)
         grown = -(-grown // CHUNK) * CHUNK
+        if self.pool is not None:
+            grown = self.pool.grow(self.page_tokens, -(-length // CHUNK) * CHUNK, grown)
         buffer = torch.empty((*self.shape[:3], grown, self.shape[4]), dtype=self.buffer.dtype,
                              device=self.buffer.device)
         buffer[:, :, :, :self.length] = self.buffer[:, :, :, :self.length]
@@ -164,41 +174,81 @@ class LeanForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.dtype = self.embed.weight.dtype
 
-    def new_cache(self) -> StaticKVCache:
-        device = self.embed.weight.device
+    def token_bytes(self) -> int:
+        """KV cache bytes per token (every layer's keys and values)."""
+        return len(self.layers) * 2 * self.kv_heads * self.head_dim * self._cache_dtype().itemsize
+
+    def _cache_dtype(self) -> torch.dtype:
         # On the CPU, keys and values are kept in fp32 whatever the weights: attention
         # then scores and sums in fp32 (as a fused kernel would accumulate) without
         # converting the cache each step. bf16 scores measured 7x the KL of the
         # transformers forward against fp32 on the 1.5B. Twice the memory: 57 KB a
         # token for the 1.5B.
-        dtype = torch.float32 if device.type == "cpu" else self.dtype
-        return StaticKVCache(len(self.layers), self.kv_heads, self.head_dim, dtype, device)
+        return torch.float32 if self.embed.weight.device.type == "cpu" else self.dtype
+
+    def new_cache(self, pool: KVPool | None = None) -> StaticKVCache:
+        return StaticKVCache(len(self.layers), self.kv_heads, self.head_dim, self._cache_dtype(),
+                             self.embed.weight.device, pool)
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, cache: StaticKVCache, keep_last: int) -> torch.Tensor:
         """ids [T] at positions cache.length.. -> logits [keep_last, model_vocab] float32."""
-        assert ids.ndim == 1 and 0 < keep_last <= ids.shape[0], (ids.shape, keep_last)
-        rows, start = ids.shape[0], cache.length
-        end = start + rows
-        cache.reserve(end)
+        return self.batch([(ids, cache, keep_last)])[0]
+
+    @torch.inference_mode()
+    def batch(self, items: list[tuple[torch.Tensor, StaticKVCache, int]]) -> list[torch.Tensor]:
+        """One forward over the new rows of several sequences, each at its own
+        positions in its own cache: [(ids [T_i], cache_i, keep_last_i)] ->
+        [logits [keep_last_i, model_vocab] float32].
+
+        The Linear layers (q/k/v, o, the MLP, the LM head) run once over all the
+        rows, which is where batching pays: their weights are read once for the
+        batch, not once per sequence. Attention runs per sequence over its own
+        cached prefix. keep_last_i may be 0 (a prefill chunk: no logits)."""
+        for ids, cache, keep_last in items:
+            assert ids.ndim == 1 and ids.shape[0] > 0 and 0 <= keep_last <= ids.shape[0], (ids.shape, keep_last)
+        spans = []                                                                       # (rows, start, end)
+        for ids, cache, _ in items:
+            rows, start = ids.shape[0], cache.length
+            cache.reserve(start + rows)
+            spans.append((rows, start, start + rows))
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        x = self.embed(ids)                                                              # [T, hidden]
-        positions = torch.arange(start, end, device=ids.device)
-        cos, sin = self.rotary(x[None], positions[None])                                 # [1, T, dim] each
-        cos, sin = cos[0], sin[0]
-        # Row i sees positions 0..start+i; a single row sees everything, so needs no mask.
-        mask = None if rows == 1 else \
-            torch.arange(end, device=ids.device)[None, :] <= positions[:, None]          # [T, end]
-        kv = cache.buffer
+        ids = items[0][0] if len(items) == 1 else torch.cat([ids for ids, _, _ in items])
+        device = ids.device
+        x = self.embed(ids)                                                              # [R, hidden]
+        positions = [torch.arange(start, end, device=device) for _, start, end in spans]
+        cos, sin = self.rotary(x[None], (positions[0] if len(items) == 1 else torch.cat(positions))[None])
+        cos, sin = cos[0], sin[0]                                                        # [R, dim] each
+        # Row i of a sequence sees its positions 0..start+i; a single row sees everything, so needs no mask.
+        masks = [None if rows == 1 else torch.arange(end, device=device)[None, :] <= pos[:, None]   # [T, end]
+                 for (rows, _, end), pos in zip(spans, positions)]
+        offsets = [0]
+        for rows, _, _ in spans:
+            offsets.append(offsets[-1] + rows)
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.project_qkv(_rms_norm(layer.input_norm, x))
-            q = q.reshape(rows, heads, dim).transpose(0, 1)                             # [heads, T, dim]
-            k = k.reshape(rows, kv_heads, dim).transpose(0, 1)                          # [kv_heads, T, dim]
-            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=0)                 # cos, sin [T, dim]
-            kv[i, 0, :, start:end] = k
-            kv[i, 1, :, start:end] = v.reshape(rows, kv_heads, dim).transpose(0, 1)
-            out = _attention(q, kv[i, 0, :, :end], kv[i, 1, :, :end], mask)              # [heads, T, dim]
-            x = x + layer.o_proj(out.transpose(0, 1).reshape(rows, heads * dim))
+            q, k, v = layer.project_qkv(_rms_norm(layer.input_norm, x))                 # [R, *]
+            outs = []
+            for j, ((rows, start, end), (_, cache, _)) in enumerate(zip(spans, items)):
+                lo, hi = offsets[j], offsets[j + 1]
+                qj = q[lo:hi].reshape(rows, heads, dim).transpose(0, 1)                   # [heads, T, dim]
+                kj = k[lo:hi].reshape(rows, kv_heads, dim).transpose(0, 1)                # [kv_heads, T, dim]
+                qj, kj = apply_rotary_pos_emb(qj, kj, cos[lo:hi], sin[lo:hi], unsqueeze_dim=0)
+                kv = cache.buffer
+                kv[i, 0, :, start:end] = kj
+                kv[i, 1, :, start:end] = v[lo:hi].reshape(rows, kv_heads, dim).transpose(0, 1)
+                out = _attention(qj, kv[i, 0, :, :end], kv[i, 1, :, :end], masks[j])      # [heads, T, dim]
+                outs.append(out.transpose(0, 1).reshape(rows, heads * dim))
+            x = x + layer.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
             x = x + layer.feed_forward(_rms_norm(layer.post_norm, x))
-        cache.length = end
-        return self.lm_head(_rms_norm(self.norm, x[-keep_last:])).float()
+        for (_, _, end), (_, cache, _) in zip(spans, items):
+            cache.length = end
+        # The LM head only over the rows kept: [sum keep_last, hidden].
+        kept = [(offsets[j + 1] - keep_last, offsets[j + 1]) for j, (_, _, keep_last) in enumerate(items)]
+        if len(items) == 1:
+            rows_kept = x[kept[0][0]:kept[0][1]]
+        else:
+            rows_kept = torch.cat([x[lo:hi] for lo, hi in kept])
+        if rows_kept.shape[0] == 0:
+            return [rows_kept.new_empty((0, 0), dtype=torch.float32) for _ in items]
+        logits = self.lm_head(_rms_norm(self.norm, rows_kept)).float()
+        return list(logits.split([keep_last for _, _, keep_last in items]))

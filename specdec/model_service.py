@@ -8,9 +8,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Generic, Iterator, Protocol, Sequence, TypeVar
 
+import psutil
+
 from specdec import torch_thread
+from specdec.batching import CallStats, RowCost, Scheduler, lean_batch_forward
 from specdec.errors import InvalidArgument
-from specdec.kv_cache import SequenceCache
+from specdec.kv_cache import PREFILL_CHUNK, SequenceCache, Steps
+from specdec.kv_pool import KVPool
 from specdec.models import LoadedModel
 from specdec.security import ServerTls, warn_if_exposed
 from specdec.serving import RunningServer, start_server
@@ -28,7 +32,10 @@ class Transactional(Protocol):
 
 
 S = TypeVar("S", bound=Transactional)
+T = TypeVar("T")
 MAX_PROPOSE_TOKENS = 32
+MAX_BATCH_ROWS = 512
+KV_SHARE_OF_AVAILABLE = 0.4  # --kv-cache-mb 0: this share of the memory available at start
 
 
 def validate_token_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
@@ -40,13 +47,23 @@ def validate_token_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
 class ModelServiceBase(Generic[S]):
     """Mixin for a servicer holding one model and its sessions."""
 
-    def __init__(self, loaded: LoadedModel, new_session: Callable[[LoadedModel, list[int]], S],
-                 store: SessionStore[S]):
+    def __init__(self, loaded: LoadedModel, new_session: Callable[..., S], store: SessionStore[S],
+                 pool: KVPool | None = None, scheduler: Scheduler | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK):
         self.loaded = loaded
         self.sessions = store
-        self._new_session = new_session
+        self._new_session = new_session  # (loaded, prompt, pool, prefill=False) -> S
         self._tokenizer_files: dict[str, bytes] | None = None
         self.curve = CostCurve([], 0.0)  # measured at warm-up
+        self.pool = pool
+        self.scheduler = scheduler or Scheduler(lean_batch_forward(loaded.lean) if loaded.lean else None)
+        self.prefill_chunk = prefill_chunk
+
+    def run_call(self, steps: Steps[T]) -> tuple[T, common_pb2.BatchStats]:
+        """A call's steps through the scheduler: its forwards batched with other
+        sessions'; its result, and what the scheduler did for it (for the response)."""
+        result, stats = self.scheduler.run(steps)
+        return result, batch_stats(stats, self.scheduler.pending_calls + 1)
 
     def Info(self, request, context) -> common_pb2.ModelInfo:
         m = self.loaded
@@ -55,14 +72,17 @@ class ModelServiceBase(Generic[S]):
             vocab_size=m.vocab_size, model_vocab_size=m.model_vocab_size, max_context=m.max_context,
             eos_token_ids=list(m.eos_token_ids), tokenizer_fingerprint=m.fingerprint,
             active_sessions=len(self.sessions), max_propose_tokens=MAX_PROPOSE_TOKENS,
-            forward_ms=self.curve.forward_ms, prefill_ms_per_token=self.curve.prefill_ms_per_token)
+            forward_ms=self.curve.forward_ms, prefill_ms_per_token=self.curve.prefill_ms_per_token,
+            forwards=self.scheduler.forwards, forward_rows=self.scheduler.forward_rows,
+            pending_calls=self.scheduler.pending_calls,
+            kv_tokens_used=self.pool.used_tokens if self.pool else 0,
+            kv_tokens_budget=self.pool.budget_tokens if self.pool else 0)
 
     def GetTokenizer(self, request, context) -> common_pb2.TokenizerFiles:
         if self._tokenizer_files is None:
             self._tokenizer_files = tokenizer_files(self.loaded.tokenizer)
         return common_pb2.TokenizerFiles(files=self._tokenizer_files)
 
-    @torch_thread.runs_on_it  # the prefill, and the calls below: see specdec.torch_thread
     def StartSession(self, request, context) -> common_pb2.StartSessionResponse:
         prompt = list(request.prompt_token_ids)
         if not prompt:
@@ -72,10 +92,16 @@ class ModelServiceBase(Generic[S]):
                 f"prompt has {len(prompt)} tokens; the context window of {self.loaded.name} is "
                 f"{self.loaded.max_context}, leaving no room to generate")
         validate_token_ids(prompt, self.loaded.vocab_size, "prompt_token_ids")
-        session = self.sessions.create(request.session_id, lambda: self._new_session(self.loaded, prompt))
+        session = self.sessions.create(request.session_id, lambda: self._prefilled(prompt))
         return common_pb2.StartSessionResponse(
             session_id=request.session_id, cached_tokens=session.seq.cached,
             tokenizer_fingerprint=self.loaded.fingerprint)
+
+    def _prefilled(self, prompt: list[int]) -> S:
+        # In chunks, through the scheduler: other sessions' rounds go on between them.
+        session = self._new_session(self.loaded, prompt, self.pool, prefill=False)
+        self.run_call(session.seq.prefill_steps(self.prefill_chunk))
+        return session
 
     @contextmanager
     def session(self, session_id: str) -> Iterator[S]:
@@ -93,6 +119,38 @@ class ModelServiceBase(Generic[S]):
 
     def EndSession(self, request, context) -> common_pb2.EndSessionResponse:
         return common_pb2.EndSessionResponse(existed=self.sessions.remove(request.session_id))
+
+
+def batch_stats(stats: CallStats, pending_calls: int) -> common_pb2.BatchStats:
+    return common_pb2.BatchStats(forwards=stats.forwards, rows=stats.rows, max_rows=stats.max_rows,
+                                 queue_ms=stats.queue_ms, pending_calls=pending_calls, calls=stats.calls)
+
+
+def kv_pool(loaded: LoadedModel, kv_cache_mb: float) -> KVPool | None:
+    """The service's KV cache budget: --kv-cache-mb, or with 0 a share of the memory
+    available at start. None for a model on transformers' forward (its own cache)."""
+    if loaded.lean is None:
+        return None
+    budget = kv_cache_mb * 2**20 if kv_cache_mb > 0 else KV_SHARE_OF_AVAILABLE * available_memory()
+    return KVPool.of_bytes(int(budget), loaded.lean.token_bytes())
+
+
+def available_memory() -> int:
+    """Bytes this process can still take: the machine's available memory, or less
+    under a cgroup limit (a container's: psutil sees the host's memory there)."""
+    available = psutil.virtual_memory().available
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = open(limit_file).read().strip()
+            usage = int(open(usage_file).read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:  # "max", or v1's huge number: no limit
+            available = min(available, max(int(limit) - usage, 0))
+        break
+    return available
 
 
 def warm_up(loaded: LoadedModel) -> None:
@@ -142,12 +200,17 @@ def cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> CostCurve:
 def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, service_name: str,
                 loaded: LoadedModel, host: str = "127.0.0.1", port: int = 0, session_ttl_s: float = 600.0,
                 max_sessions: int = 256, tls: ServerTls | None = None, uds: str | None = None,
-                cost_curve_rows: int = 0) -> RunningServer:
+                cost_curve_rows: int = 0, kv_cache_mb: float = 0.0, prefill_chunk: int = PREFILL_CHUNK,
+                max_batch_rows: int = MAX_BATCH_ROWS) -> RunningServer:
     """Start a model service; it reports SERVING only once the model is warm."""
     warn_if_exposed(service_name, host, tls, uds)
+    if prefill_chunk < 1 or max_batch_rows < 1:
+        raise ValueError(f"--prefill-chunk ({prefill_chunk}) and --max-batch-rows ({max_batch_rows}) must be >= 1")
     store = SessionStore(ttl_s=session_ttl_s, max_sessions=max_sessions)
     store.start_reaper()
-    servicer = servicer_cls(loaded, session_cls, store)
+    pool = kv_pool(loaded, kv_cache_mb)
+    scheduler = Scheduler(lean_batch_forward(loaded.lean) if loaded.lean else None, max_rows=max_batch_rows)
+    servicer = servicer_cls(loaded, session_cls, store, pool, scheduler, prefill_chunk)
     # A worker per session and a few spare, so health checks are answered under full load.
     running = start_server(lambda server: add_to_server(servicer, server), [service_name], host=host, port=port,
                            max_workers=max_sessions + 8, tls=tls, uds=uds)
@@ -157,5 +220,11 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
     log.info("%s: forward ms by rows (1..%d): %s; prefill %.2f ms a token", service_name,
              len(servicer.curve.forward_ms), ", ".join(f"{ms:.1f}" for ms in servicer.curve.forward_ms),
              servicer.curve.prefill_ms_per_token)
+    if servicer.curve.forward_ms:  # batches sized on the measured curve
+        scheduler.cost = RowCost(servicer.curve.forward_ms)
+    if pool is not None:
+        log.info("%s: KV cache pool of %d tokens (%.0f MiB); batches of up to %d rows, prefill chunks of %d",
+                 service_name, pool.budget_tokens, pool.budget_tokens * pool.token_bytes / 2**20, max_batch_rows,
+                 prefill_chunk)
     running.set_serving(True)
     return running

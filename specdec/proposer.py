@@ -32,12 +32,28 @@ class Commit:
 
 
 @dataclass(frozen=True)
+class BatchLoad:
+    """What a model service's batching scheduler did for one call: how full the
+    forwards it shared were, and how long it waited for them."""
+    forwards: int = 0
+    mean_rows: float = 0.0     # rows per forward, every call's
+    mean_calls: float = 0.0    # calls per forward, itself included (1: it ran alone)
+    queue_ms: float = 0.0
+
+    @classmethod
+    def from_proto(cls, batch) -> "BatchLoad":
+        n = batch.forwards
+        return cls(n, batch.rows / n, batch.calls / n, batch.queue_ms) if n else cls()
+
+
+@dataclass(frozen=True)
 class Proposal:
     token_ids: tuple[int, ...]                 # [n]
     # [n, vocab] float16 little-endian bytes when temperature > 0: the exact
     # distributions the tokens were sampled from (see specdec.wire).
     draft_probs_fp16: bytes = b""
     confidences: tuple[float, ...] = ()        # [n] when the proposer has them
+    batch: BatchLoad = BatchLoad()             # a model proposer's service: its batching
 
 
 @dataclass(frozen=True)
@@ -46,6 +62,14 @@ class Verdict:
     num_accepted: int     # draft tokens kept, a prefix of the proposal
     next_token_id: int    # the target's own token after them: recovered, or bonus when all were accepted
     bonus: bool
+    batch: BatchLoad = BatchLoad()
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """Target-only tokens from one Decode call."""
+    token_ids: list[int]
+    batch: BatchLoad = BatchLoad()
 
 
 class Proposer(abc.ABC):

@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
@@ -66,6 +66,11 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
     if on_it():
         return fn(*args, **kwargs)
     return _executor.submit(fn, *args, **kwargs).result()
+
+
+def submit(fn: Callable[..., T], *args, **kwargs) -> Future:
+    """fn(*args, **kwargs) on the torch thread, after what is queued there; without waiting."""
+    return _executor.submit(fn, *args, **kwargs)
 
 
 def set_threads(count: int) -> None:

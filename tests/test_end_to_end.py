@@ -213,22 +213,31 @@ def total_variation(counts: collections.Counter, probs: dict, n: int) -> float:
     return 0.5 * sum(abs(counts.get(k, 0) / n - probs.get(k, 0.0)) for k in keys)
 
 
-def test_sampled_first_two_tokens_follow_the_target_distribution(stack, tiny_target, tiny_draft):
+@pytest.mark.parametrize("clients", [1, 8])
+def test_sampled_first_two_tokens_follow_the_target_distribution(stack, tiny_target, tiny_draft, clients):
+    # With 8 clients at once the verifier and the drafter batch their calls: the
+    # rejection sampler must still see exactly each session's own logits.
     prompt = "Hello, world! How are"
     prompt_ids = tiny_target.tokenizer.encode(prompt)
     p1, joint = exact_first_two_token_distribution(tiny_target, prompt_ids)
     first, pairs = collections.Counter(), collections.Counter()
-    drafted = accepted = 0
-    for seed in range(RUNS):
+
+    def one(seed: int):
         # gamma 3 over 3 new tokens drafts 2: acceptance, rejection at either position, and bonus all occur.
-        r = generate(stack.coordinator_stub, prompt, speculate=True, gamma=3, max_new_tokens=3,
-                     temperature=SAMPLING.temperature, top_k=SAMPLING.top_k, seed=seed)
+        return generate(stack.coordinator_stub, prompt, speculate=True, gamma=3, max_new_tokens=3,
+                        temperature=SAMPLING.temperature, top_k=SAMPLING.top_k, seed=seed)
+
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        responses = list(pool.map(one, range(RUNS)))
+    for r in responses:
         x1, pair = observed_outcome(r)
         first[x1] += 1
         pairs[pair] += 1
-        drafted += r.stats.draft_tokens
-        accepted += r.stats.accepted_tokens
+    drafted = sum(r.stats.draft_tokens for r in responses)
+    accepted = sum(r.stats.accepted_tokens for r in responses)
     assert 0.2 < accepted / drafted < 0.98      # both acceptance and rejection happened, often
+    if clients > 1:
+        assert max(r.stats.verify_batch_rows for r in responses) > 3  # verify calls did share forwards
     assert chi_square_p(first, p1, RUNS) > 1e-3
     assert chi_square_p(pairs, joint, RUNS) > 1e-3
     # Power: the samples sit much closer to the target's distribution than to the
@@ -246,6 +255,19 @@ def test_int8_drafter_output_is_still_the_targets(stack):
             assert_greedy_equal(stack.coordinator_stub, stub, PROMPTS[:6], gamma=3)
     finally:
         draft.stop(0)
+
+
+def test_eight_concurrent_clients_batched_get_target_only_greedy_output(stack):
+    # Different prompt lengths (so different positions in one batch), speculative
+    # and target-only requests mixed: each output is its target-only output alone.
+    prompts = [p * (1 + i % 3) for i, p in enumerate(PROMPTS[:8])]
+    references = [list(generate(stack.coordinator_stub, p, speculate=False, max_new_tokens=24).token_ids)
+                  for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda ip: generate(stack.coordinator_stub, ip[1], speculate=ip[0] % 4 != 3,
+                                                      max_new_tokens=24), enumerate(prompts * 2)))
+    assert [list(r.token_ids) for r in responses] == references * 2
+    assert max(r.stats.verify_batch_rows for r in responses) > 1  # the verifier batched them
 
 
 def test_concurrent_requests_stay_exact_and_leave_no_sessions(stack):

@@ -238,7 +238,8 @@ FP32_CURVE = [100 * (1 + i) for i in range(17)]                                 
 
 def test_a_row_curve_learns_each_row_count_and_shifts_the_unseen_ones():
     curve = RowCurve([10.0, 11.0, 20.0])
-    assert curve(2) == 11.0 and curve(5) == 20.0 + 2 * 9.0          # past the measured rows: the last step
+    # Past the measured rows: the mean slope of the upper half, (20 - 10) / 2 a row.
+    assert curve(2) == 11.0 and curve(5) == 20.0 + 2 * 5.0
     curve.observe(2, 14.0)                                          # 3 ms of RPC the curve did not see
     assert curve(2) == 14.0 and curve(1) == 13.0 and curve(3) == 23.0
     for _ in range(50):

@@ -67,9 +67,15 @@ def test_a_failed_propose_leaves_the_drafter_session_as_it_was(stack, case):
         for request in (dict(num_tokens=4, sampling=HOT, commit=commit(2, [11])),
                         dict(num_tokens=3, sampling=GREEDY, commit=commit(1, [12, 13]))):
             a, b = (stub.Propose(drafter_pb2.ProposeRequest(session_id=s, **request), timeout=10) for s in twins)
-            assert a == b, case
+            assert without_batch(a) == without_batch(b), case
     finally:
         end(stub, *twins)
+
+
+def without_batch(response):
+    """The response less what the scheduler reports (its timings differ from call to call)."""
+    response.ClearField("batch")
+    return response
 
 
 def probs_fp16(rows: int, vocab: int = 512, value: float = 1.0) -> bytes:
@@ -115,7 +121,7 @@ def test_a_failed_verify_or_decode_leaves_the_verifier_session_as_it_was(stack, 
                               (stub.Verify, dict(draft_token_ids=[10], sampling=GREEDY))):
             request_cls = verifier_pb2.VerifyRequest if call is stub.Verify else verifier_pb2.DecodeRequest
             a, b = (call(request_cls(session_id=s, **request), timeout=10) for s in twins)
-            assert a == b, (name, call)
+            assert without_batch(a) == without_batch(b), (name, call)
     finally:
         end(stub, *twins)
 

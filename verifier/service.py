@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 
-from specdec import torch_thread
 from specdec.errors import InvalidArgument
 from specdec.model_service import MAX_PROPOSE_TOKENS, ModelServiceBase, serve_model, validate_token_ids
 from specdec.models import LoadedModel
@@ -19,31 +18,34 @@ MAX_DECODE_TOKENS = 4096
 
 
 class VerifierServicer(ModelServiceBase[TargetSession], verifier_pb2_grpc.VerifierServicer):
-    @torch_thread.runs_on_it  # the call's torch work, decoding the draft's probabilities included
+    # Each call's torch work (decoding the draft's probabilities included) runs on
+    # the torch thread as steps of the scheduler, its forward batched with other sessions'.
     def Verify(self, request, context) -> verifier_pb2.VerifyResponse:
         sampling = sampling_from_proto(request.sampling)
         draft = list(request.draft_token_ids)
         if len(draft) > MAX_PROPOSE_TOKENS:
             raise InvalidArgument(f"{len(draft)} draft tokens is over the limit of {MAX_PROPOSE_TOKENS}")
         validate_token_ids(draft, self.loaded.vocab_size, "draft_token_ids")
-        draft_probs = None
-        if not sampling.greedy:
-            draft_probs = decode_probs(request.draft_probs_fp16, len(draft), self.loaded.vocab_size)
-        elif request.draft_probs_fp16:
+        if sampling.greedy and request.draft_probs_fp16:
             raise InvalidArgument("draft_probs_fp16 must be empty when temperature is 0 (greedy)")
-        with self.session(request.session_id) as session:
-            out = session.verify(draft, draft_probs, sampling)
-        return verifier_pb2.VerifyResponse(num_accepted=out.num_accepted, next_token_id=out.next_token_id,
-                                           bonus=out.bonus)
 
-    @torch_thread.runs_on_it
+        def steps(session: TargetSession):
+            draft_probs = None if sampling.greedy else \
+                decode_probs(request.draft_probs_fp16, len(draft), self.loaded.vocab_size)
+            return (yield from session.verify_steps(draft, draft_probs, sampling))
+
+        with self.session(request.session_id) as session:
+            out, batch = self.run_call(steps(session))
+        return verifier_pb2.VerifyResponse(num_accepted=out.num_accepted, next_token_id=out.next_token_id,
+                                           bonus=out.bonus, batch=batch)
+
     def Decode(self, request, context) -> verifier_pb2.DecodeResponse:
         if not 0 < request.num_tokens <= MAX_DECODE_TOKENS:
             raise InvalidArgument(f"num_tokens must be in 1..{MAX_DECODE_TOKENS}, got {request.num_tokens}")
         sampling = sampling_from_proto(request.sampling)
         with self.session(request.session_id) as session:
-            tokens = session.decode(request.num_tokens, sampling)
-        return verifier_pb2.DecodeResponse(token_ids=tokens)
+            tokens, batch = self.run_call(session.decode_steps(request.num_tokens, sampling))
+        return verifier_pb2.DecodeResponse(token_ids=tokens, batch=batch)
 
 
 def serve(loaded: LoadedModel, **kwargs) -> RunningServer:

@@ -5,17 +5,20 @@ from __future__ import annotations
 import torch
 
 from specdec.errors import InvalidArgument
-from specdec.kv_cache import SequenceCache
+from specdec.kv_cache import SequenceCache, Steps, drive
+from specdec.kv_pool import KVPool
 from specdec.models import LoadedModel
 from specdec.rejection import RejectionOutput, greedy_accept, rejection_sample
 from specdec.sampling import SamplingConfig, make_generator, sample_from, scores_to_probs, transform_logits
 
 
 class TargetSession:
-    def __init__(self, loaded: LoadedModel, prompt_ids: list[int]):
+    def __init__(self, loaded: LoadedModel, prompt_ids: list[int], pool: KVPool | None = None,
+                 prefill: bool = True):
         self.loaded = loaded
-        self.seq = SequenceCache(loaded, prompt_ids)
-        self.seq.prefill()
+        self.seq = SequenceCache(loaded, prompt_ids, pool)
+        if prefill:  # else the caller runs seq.prefill_steps() (a service, through its scheduler)
+            self.seq.prefill()
         self.generator: torch.Generator | None = None
 
     def snapshot(self) -> tuple:
@@ -43,11 +46,15 @@ class TargetSession:
 
     def verify(self, draft_token_ids: list[int], draft_probs: torch.Tensor | None,
                sampling: SamplingConfig) -> RejectionOutput:
+        return drive(self.verify_steps(draft_token_ids, draft_probs, sampling))
+
+    def verify_steps(self, draft_token_ids: list[int], draft_probs: torch.Tensor | None,
+                     sampling: SamplingConfig) -> Steps[RejectionOutput]:
         gamma = len(draft_token_ids)
         self._check_room(gamma + 1)
         base = len(self.seq)
         # 1. Score: one forward over the uncached token(s) and the draft.
-        logits = self.seq.forward(draft_token_ids, keep_last=gamma + 1)                 # [gamma+1, model_vocab]
+        logits = yield from self.seq.step(draft_token_ids, keep_last=gamma + 1)         # [gamma+1, model_vocab]
         # 2. The same transform as the drafter, row i seeing the history up to draft i.
         scores = transform_logits(logits, self.seq.tokens[:base], draft_token_ids, sampling,
                                   self.loaded.vocab_size)                               # [gamma+1, vocab]
@@ -65,11 +72,14 @@ class TargetSession:
         return out
 
     def decode(self, num_tokens: int, sampling: SamplingConfig) -> list[int]:
-        """Plain target-only decoding; stops after an EOS token."""
+        return drive(self.decode_steps(num_tokens, sampling))
+
+    def decode_steps(self, num_tokens: int, sampling: SamplingConfig) -> Steps[list[int]]:
+        """Plain target-only decoding, a Forward step a token; stops after an EOS token."""
         self._check_room(num_tokens)
         out: list[int] = []
         for _ in range(num_tokens):
-            logits = self.seq.forward([], keep_last=1)
+            logits = yield from self.seq.step([], keep_last=1)
             scores = transform_logits(logits, self.seq.tokens, [], sampling, self.loaded.vocab_size)
             if sampling.greedy:
                 token = int(scores[0].argmax())

@@ -70,7 +70,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "draft_ms", "verify_ms", "overhead_ms", "total_ms", "tokens_per_second", "prompt_tokens", "gamma", "prefill_ms", "fallback", "first_token_ms")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "draft_ms", "verify_ms", "overhead_ms", "total_ms", "tokens_per_second", "prompt_tokens", "gamma", "prefill_ms", "fallback", "first_token_ms", "verify_batch_rows", "verify_queue_ms", "draft_queue_ms")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,9 @@ class GenerationStats(_message.Message):
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -103,7 +106,10 @@ class GenerationStats(_message.Message):
     prefill_ms: float
     fallback: str
     first_token_ms: float
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., gamma: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., fallback: _Optional[str] = ..., first_token_ms: _Optional[float] = ...) -> None: ...
+    verify_batch_rows: float
+    verify_queue_ms: float
+    draft_queue_ms: float
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., gamma: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., fallback: _Optional[str] = ..., first_token_ms: _Optional[float] = ..., verify_batch_rows: _Optional[float] = ..., verify_queue_ms: _Optional[float] = ..., draft_queue_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")

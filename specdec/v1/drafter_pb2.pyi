@@ -30,11 +30,13 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., min_confidence: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_token_ids", "draft_probs_fp16", "draft_confidences")
+    __slots__ = ("draft_token_ids", "draft_probs_fp16", "draft_confidences", "batch")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FP16_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs_fp16: bytes
     draft_confidences: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs_fp16: _Optional[bytes] = ..., draft_confidences: _Optional[_Iterable[float]] = ...) -> None: ...
+    batch: _common_pb2.BatchStats
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs_fp16: _Optional[bytes] = ..., draft_confidences: _Optional[_Iterable[float]] = ..., batch: _Optional[_Union[_common_pb2.BatchStats, _Mapping]] = ...) -> None: ...

@@ -20,14 +20,16 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs_fp16: _Optional[bytes] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "bonus")
+    __slots__ = ("num_accepted", "next_token_id", "bonus", "batch")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     bonus: bool
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., bonus: _Optional[bool] = ...) -> None: ...
+    batch: _common_pb2.BatchStats
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., bonus: _Optional[bool] = ..., batch: _Optional[_Union[_common_pb2.BatchStats, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("session_id", "num_tokens", "sampling")
@@ -40,7 +42,9 @@ class DecodeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids",)
+    __slots__ = ("token_ids", "batch")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    batch: _common_pb2.BatchStats
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., batch: _Optional[_Union[_common_pb2.BatchStats, _Mapping]] = ...) -> None: ...

@@ -111,6 +111,7 @@ livenessProbe:
     - --health-port={{ $v.healthPort }}
     - --max-sessions={{ $v.maxSessions }}
     - --session-ttl={{ $v.sessionTtlSeconds }}
+    - --kv-cache-mb={{ $v.kvCacheMb }}
     - --grace-period={{ add $root.Values.gracePeriodSeconds 5 }}
     {{- if $split }}
     - --tls-cert=/etc/specdec/backend-tls/tls.crt

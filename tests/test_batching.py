@@ -1,0 +1,166 @@
+"""Continuous batching: the forwards of concurrent calls run as one batched
+forward, each call gets exactly its own logits back, batches are sized on the
+cost curve in arrival order, and a long prefill runs in chunks between them."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from specdec import torch_thread
+from specdec.batching import RowCost, Scheduler, lean_batch_forward
+from specdec.errors import ResourceExhausted
+from specdec.kv_cache import Forward, SequenceCache
+from specdec.kv_pool import KVPool
+from specdec.sampling import SamplingConfig
+from verifier.target_session import TargetSession
+
+PROMPTS = [[(11 * i + 7 * j) % 500 + 3 for j in range(length)] for i, length in enumerate((5, 17, 40, 9, 64, 3, 28, 12))]
+
+
+def hold_torch_thread():
+    """Keep the torch thread busy until released, so calls submitted meanwhile
+    are all pending when the scheduler next looks (one batch, deterministically)."""
+    release, busy = threading.Event(), threading.Event()
+    torch_thread.submit(lambda: (busy.set(), release.wait(30)))
+    busy.wait(10)
+    return release
+
+
+def run_concurrently(scheduler: Scheduler, calls: list) -> list:
+    """Each call's steps through the scheduler from its own thread, all pending at once."""
+    results: list = [None] * len(calls)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = scheduler.run(calls[i]())
+        except Exception as exc:  # noqa: BLE001 - handed back to the test
+            results[i] = exc
+
+    release = hold_torch_thread()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    while scheduler.pending_calls < len(calls):  # every call is in before the forward runs
+        threading.Event().wait(0.005)
+    release.set()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def test_a_batched_forward_gives_each_sequence_its_own_logits(tiny_target):
+    lean = tiny_target.lean
+    caches, alone = [], []
+    for prompt in PROMPTS[:5]:
+        cache = lean.new_cache()
+        lean(torch.tensor(prompt[:-1]), cache, keep_last=1)                         # a prefix at its own length
+        caches.append(cache)
+    feeds = [PROMPTS[0][-1:], PROMPTS[1][-1:] + [9, 10, 11], PROMPTS[2][-1:] + [5], list(range(20, 90)),
+             PROMPTS[4][-1:]]
+    keep = [1, 4, 2, 0, 1]                                                          # 0: a prefill chunk
+    for prompt, feed, k in zip(PROMPTS, feeds, keep):
+        cache = lean.new_cache()
+        lean(torch.tensor(prompt[:-1]), cache, keep_last=1)
+        alone.append(lean(torch.tensor(feed), cache, keep_last=max(k, 1))[-k:] if k else None)
+    lengths = [c.length for c in caches]
+    got = lean.batch([(torch.tensor(f), c, k) for f, c, k in zip(feeds, caches, keep)])
+    for i, (g, a, k) in enumerate(zip(got, alone, keep)):
+        assert caches[i].length == lengths[i] + len(feeds[i])
+        if k:
+            assert g.shape == a.shape and torch.allclose(g, a, atol=1e-5), i   # fp32: the same logits
+        else:
+            assert g.numel() == 0
+
+
+def test_concurrent_decodes_share_forwards_and_equal_decoding_alone(tiny_target):
+    greedy = SamplingConfig()
+    alone = [TargetSession(tiny_target, p).decode(12, greedy) for p in PROMPTS]
+    sessions = [TargetSession(tiny_target, p) for p in PROMPTS]
+    seen: list[tuple[int, int]] = []
+    scheduler = Scheduler(lean_batch_forward(tiny_target.lean), on_forward=lambda rows, calls: seen.append((rows, calls)))
+    results = run_concurrently(scheduler, [lambda s=s: s.decode_steps(12, greedy) for s in sessions])
+    assert [tokens for tokens, _ in results] == alone
+    # All eight were pending together: each forward of the first steps ran them as one batch.
+    assert seen[0] == (8, 8) and scheduler.forwards < 8 * 12
+    stats = [s for _, s in results]
+    assert all(s.forwards == 12 and s.max_rows == 8 and s.mean_calls > 1 for s in stats)
+
+
+def test_batches_follow_the_cost_curve_in_arrival_order():
+    int4_like = RowCost([40.0, 42.0, 47.0, 53.0, 96.0, 99.0, 100.0, 101.0])  # 4 rows a kernel pass
+    scheduler = Scheduler(cost=int4_like)
+
+    class Call:
+        def __init__(self, rows: int):
+            self.pending = Forward(None, tuple(range(rows)), 1)
+    five = [Call(1) for _ in range(5)]
+    assert scheduler._pick(five) == five[:4]                  # the 5th row would cost as much as 4
+    eight = [Call(1) for _ in range(8)]
+    assert scheduler._pick(eight) == eight                    # 8 rows: 12.6 ms a row, under 4's 13.3
+    assert RowCost([10.0, 20.0, 30.0, 40.0])(6) == 60.0       # past the curve: its upper half's slope
+    flat = Scheduler(cost=RowCost([100.0] * 8), max_rows=5)
+    calls = [Call(2), Call(2), Call(2)]
+    assert flat._pick(calls) == calls[:2]                     # within max_rows
+    assert flat._pick([Call(9)])[0].pending.feed == tuple(range(9))  # the first always goes
+
+
+def test_a_long_prefill_runs_in_chunks_with_other_sessions_decoding_between_them(tiny_target):
+    greedy = SamplingConfig()
+    decoder = TargetSession(tiny_target, PROMPTS[1])
+    reference = TargetSession(tiny_target, PROMPTS[1]).decode(6, greedy)
+    long_prompt = [(i * 37) % 500 + 3 for i in range(301)]
+    prefilling = TargetSession(tiny_target, long_prompt, prefill=False)
+    seen: list[tuple[int, int]] = []
+    scheduler = Scheduler(lean_batch_forward(tiny_target.lean), on_forward=lambda rows, calls: seen.append((rows, calls)))
+    results = run_concurrently(scheduler, [lambda: prefilling.seq.prefill_steps(chunk=64),
+                                           lambda: decoder.decode_steps(6, greedy)])
+    assert results[1][0] == reference
+    assert prefilling.seq.cached == 300                        # all but the last token, in 5 chunks
+    assert results[0][1].forwards == 5
+    # Each of the decoder's steps shared a forward with a chunk: it waited one chunk at a time.
+    assert seen[:5] == [(65, 2)] * 4 + [(45, 2)] and seen[5] == (1, 1)
+    alone = TargetSession(tiny_target, long_prompt)
+    assert torch.allclose(prefilling.seq.forward([], 1), alone.seq.forward([], 1), atol=1e-4)
+
+
+def test_a_failing_call_leaves_the_rest_of_its_batch_alone(tiny_target):
+    greedy = SamplingConfig()
+    sessions = [TargetSession(tiny_target, p) for p in PROMPTS[:3]]
+    reference = [TargetSession(tiny_target, p).decode(3, greedy) for p in PROMPTS[:3]]
+
+    def failing(session):
+        yield from session.seq.step([], keep_last=1)
+        raise ValueError("the call's own math failed")
+
+    scheduler = Scheduler(lean_batch_forward(tiny_target.lean))
+    results = run_concurrently(scheduler, [lambda: sessions[0].decode_steps(3, greedy),
+                                           lambda: failing(sessions[1]),
+                                           lambda: sessions[2].decode_steps(3, greedy)])
+    assert isinstance(results[1], ValueError)
+    assert results[0][0] == reference[0] and results[2][0] == reference[2]
+
+
+def test_a_call_the_kv_pool_refuses_fails_alone(tiny_target):
+    greedy = SamplingConfig()
+    pool = KVPool(budget_tokens=512, token_bytes=tiny_target.lean.token_bytes())
+    small = TargetSession(tiny_target, PROMPTS[0], pool=pool)          # holds one 256-token page
+    big = TargetSession(tiny_target, [5] * 200, pool=pool)             # holds the other
+    reference = TargetSession(tiny_target, PROMPTS[0]).decode(4, greedy)
+    scheduler = Scheduler(lean_batch_forward(tiny_target.lean))
+    # The big one's next 100 rows need a third page: refused; the small one decodes on.
+    results = run_concurrently(scheduler, [lambda: big.seq.step(list(range(3, 103)), keep_last=1),
+                                           lambda: small.decode_steps(4, greedy)])
+    assert isinstance(results[0], ResourceExhausted) and "--kv-cache-mb" in str(results[0])
+    assert results[1][0] == reference
+
+
+def test_without_a_scheduler_a_session_drives_its_own_forwards(tiny_target):
+    seq = SequenceCache(tiny_target, PROMPTS[2])
+    steps = seq.step([1, 2], keep_last=2)
+    forward = next(steps)
+    assert forward.feed == tuple(PROMPTS[2] + [1, 2]) and forward.keep_last == 2
+    with pytest.raises(StopIteration) as done:
+        steps.send(forward.run())
+    assert done.value.value.shape == (2, tiny_target.model_vocab_size)
