@@ -31,6 +31,7 @@ from specdec import torch_thread
 from specdec.kv_cache import Forward, Steps, run_steps
 
 T = TypeVar("T")
+TOLERANCE = 0.1  # cost per row within this of the best counts as as good: timings this close are noise
 
 
 @dataclass
@@ -63,15 +64,18 @@ class _Call:
 
 
 class RowCost:
-    """ms of one forward over n rows, from a measured curve [1..N rows]; past N,
-    the curve's mean slope over its upper half per extra row (prefill chunks run
-    far past the measured rows, at about that rate)."""
+    """ms of one forward over n rows, from a measured curve [1..N rows]. Past N,
+    each extra row costs the curve's mean slope over its upper half (prefill
+    chunks run far past the measured rows, at about that rate), but no more than
+    the curve's cost per row at N: a noisy last few timings must not make large
+    batches look dearer per row than the rows measured."""
 
     def __init__(self, forward_ms: Sequence[float]):
         self.ms = [float(v) for v in forward_ms]
         n = len(self.ms)
         half = n // 2
-        self.slope = (self.ms[-1] - self.ms[half - 1]) / (n - half) if n >= 2 else (self.ms[0] if n else 0.0)
+        slope = (self.ms[-1] - self.ms[half - 1]) / (n - half) if n >= 2 else (self.ms[0] if n else 0.0)
+        self.slope = min(slope, self.ms[-1] / n) if n else 0.0
 
     def __call__(self, rows: int) -> float:
         if not self.ms:
@@ -140,20 +144,18 @@ class Scheduler:
                 self._scheduled = False
 
     def _pick(self, waiting: list[_Call]) -> list[_Call]:
-        """The longest-waiting calls, as many as give the lowest cost per row
-        (ties to the larger batch), within max_rows (the first always goes)."""
-        rows, best_k, best = 0, 1, None
+        """The longest-waiting calls, as many as run within TOLERANCE of the lowest
+        cost per row (so the larger batch wins over timing noise), within max_rows
+        (the first always goes). A row left out is not saved, only deferred: it
+        pays to leave it only where it would start a whole new kernel pass."""
+        rows, per_row = 0, []
         for k, call in enumerate(waiting, start=1):
             rows += len(call.pending.feed)
             if k > 1 and rows > self.max_rows:
                 break
-            if self.cost is None:
-                best_k = k
-                continue
-            per_row = self.cost(rows) / rows
-            if best is None or per_row <= best * 1.0001:
-                best_k, best = k, per_row
-        return waiting[:best_k]
+            per_row.append(self.cost(rows) / rows if self.cost is not None else 0.0)
+        best = min(per_row)
+        return waiting[:max(k for k, cost in enumerate(per_row, start=1) if cost <= best * (1 + TOLERANCE))]
 
     def _forward(self, batch: list[_Call]) -> None:
         started = time.perf_counter()

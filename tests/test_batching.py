@@ -99,7 +99,11 @@ def test_batches_follow_the_cost_curve_in_arrival_order():
     assert scheduler._pick(five) == five[:4]                  # the 5th row would cost as much as 4
     eight = [Call(1) for _ in range(8)]
     assert scheduler._pick(eight) == eight                    # 8 rows: 12.6 ms a row, under 4's 13.3
-    assert RowCost([10.0, 20.0, 30.0, 40.0])(6) == 60.0       # past the curve: its upper half's slope
+    assert RowCost([10.0, 20.0, 30.0, 40.0])(6) == 60.0       # past the curve: its upper half's slope...
+    assert RowCost([10.0, 10.0, 10.0, 40.0])(8) == 80.0       # ...at most its cost per row at the end
+    noisy = Scheduler(cost=RowCost([100.0, 100.0, 100.0, 100.0, 104.0]))
+    calls = [Call(1) for _ in range(5)]
+    assert noisy._pick(calls) == calls                        # 20.8 a row against 25: within the tolerance
     flat = Scheduler(cost=RowCost([100.0] * 8), max_rows=5)
     calls = [Call(2), Call(2), Call(2)]
     assert flat._pick(calls) == calls[:2]                     # within max_rows

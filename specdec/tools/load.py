@@ -75,7 +75,8 @@ class Level:
     verify_batch_rows: float = 0.0         # mean over requests of their verifier calls' rows per forward
     verify_queue_ms: float = 0.0           # mean over requests of their verifier calls' waits, summed per request
     greedy_outputs: dict[int, list[int]] = field(default_factory=dict)  # prompt index -> token ids (T = 0)
-    greedy_same: int = -1                  # of them, equal to the first level's for the same prompt (-1: not compared)
+    greedy_same: int = -1                  # of those compared, equal to the first level's for the same prompt
+    greedy_compared: int = 0               # greedy prompts the first level has too
 
     @property
     def acceptance(self) -> float:
@@ -165,7 +166,9 @@ def compare_greedy(levels: list[Level]) -> None:
     for lv in levels:
         reference = first.setdefault(lv.system, lv.greedy_outputs)
         if lv.greedy_outputs is not reference:
-            lv.greedy_same = sum(reference.get(k) == v for k, v in lv.greedy_outputs.items())
+            shared = [k for k in lv.greedy_outputs if k in reference]
+            lv.greedy_compared = len(shared)
+            lv.greedy_same = sum(reference[k] == lv.greedy_outputs[k] for k in shared)
 
 
 def print_table(levels: list[Level], rss: dict) -> None:
@@ -180,7 +183,7 @@ def print_table(levels: list[Level], rss: dict) -> None:
               f"{lv.latency_p50_s:.3f} | {lv.latency_p99_s:.3f} | {lv.latency_max_s:.3f} | {lv.tokens_per_s:.1f} | "
               f"{ratio} | {lv.requests_per_s:.2f} | {lv.drafted_requests} | {lv.acceptance:.2f} | "
               f"{lv.verify_batch_rows:.1f} | {lv.verify_queue_ms / 1e3:.2f} | "
-              f"{f'{lv.greedy_same}/{len(lv.greedy_outputs)}' if lv.greedy_same >= 0 else '-'} |")
+              f"{f'{lv.greedy_same}/{lv.greedy_compared}' if lv.greedy_same >= 0 else '-'} |")
         for example in lv.error_examples:
             print(f"  error: {example}")
     if rss:
@@ -199,6 +202,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=64, help="requests per level")
     p.add_argument("--per-client", type=int, default=0,
                    help="requests per client at each level instead of --requests (a level of N clients sends N x this)")
+    p.add_argument("--min-requests", type=int, default=0, help="with --per-client: at least this many a level")
     p.add_argument("--systems", default="spec-auto",
                    help=f"comma-separated, run interleaved at each level: {', '.join(SYSTEMS)}")
     p.add_argument("--warmup", type=int, default=-1,
@@ -223,7 +227,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def level_requests(args: argparse.Namespace, clients: int) -> int:
-    return args.per_client * clients if args.per_client > 0 else args.requests
+    return max(args.per_client * clients, args.min_requests) if args.per_client > 0 else args.requests
 
 
 def main(argv: list[str] | None = None) -> int:
