@@ -18,7 +18,7 @@ from specdec.sampling import SamplingConfig
 from specdec import telemetry
 
 from coordinator.clients import VerifierClient
-from coordinator.gamma import CostModel, GammaController, GammaPriors, VerifierLoad
+from coordinator.gamma import CostModel, GammaController, GammaPriors, ServiceLoad
 from coordinator.metrics import Metrics
 from coordinator.output import Delta, OutputAccumulator
 from coordinator.rounds import RoundRecord
@@ -120,8 +120,8 @@ class SpeculativeEngine:
         self.eos_token_ids = eos_token_ids
         # What earlier requests learned about γ, starting from the services' cost curves.
         self.gamma_priors = GammaPriors(cost=cost)
-        # How full the verifier's batched forwards are now, from every request's calls.
-        self.verifier_load = VerifierLoad()
+        # How many requests share the model services now: every request's γ plans with it.
+        self.load = ServiceLoad()
         self.metrics = metrics or Metrics()
         self.on_proposer_failure = on_proposer_failure
 
@@ -141,6 +141,7 @@ class SpeculativeEngine:
         eos = () if request.ignore_eos else self.eos_token_ids
         output = OutputAccumulator(self.tokenizer, eos, request.max_new_tokens, request.stop)
         started = time.perf_counter()
+        self.load.enter()
         try:
             for new_tokens in self._all_rounds(session_id, request, proposer, stats, output, timeout, started):
                 delta = output.add(new_tokens)
@@ -155,6 +156,7 @@ class SpeculativeEngine:
                     return
                 self._check_caller(cancelled, timeout, stats)
         finally:
+            self.load.leave()
             if proposer is not None:
                 proposer.end()
             self.verifier.end_session(session_id)
@@ -179,7 +181,7 @@ class SpeculativeEngine:
         # 2. Adaptive γ: draft only if drafting is expected to save more than the
         #    proposer's prefill of this prompt costs.
         controller = GammaController(request.gamma_max, self.gamma_priors.start(request.sampling),
-                                     load=self.verifier_load) if request.adaptive else None
+                                     load=self.load) if request.adaptive else None
         context = (*request.prompt_ids, *first)
         if controller is not None and not controller.prefill_pays(len(context), request.max_new_tokens - 1):
             stats.gamma = 0
@@ -272,7 +274,7 @@ class SpeculativeEngine:
 
     def _observe_load(self, reply):
         """A verifier reply's batching: the load every request's γ plans with."""
-        self.verifier_load.observe(reply.batch)
+        self.load.observe(reply.batch)
         return reply
 
     def _record(self, record: RoundRecord, stats: Stats, controller: GammaController | None) -> None:

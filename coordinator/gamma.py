@@ -23,12 +23,15 @@ plus a little per token). γ = 0 is plain target decoding: no drafter call.
 * within a round, γ is an upper bound: the drafter stops after a token it is
   unsure of (`min_confidence`), so easy stretches get long drafts and hard ones
   short drafts, which no fixed γ can do;
-* under load, the verifier batches the rows of many requests into one forward
-  (continuous batching). A round's verify cost is then its share of a forward
-  in which every request drafts as this one does: curve(n·(γ+1)) / n for n
-  calls a forward (`VerifierLoad`, from what the verifier reports). The fixed
-  cost of a forward is shared, the rows are not: as n grows, rejected drafts
-  cost more than they save and γ falls to 0; it rises again as n falls.
+* under load, the model services batch the rows of many requests into one
+  forward (continuous batching), and the drafter's forwards take the cores the
+  verifier's need. A round's cost is then its share of the work when all n
+  requests in flight draft as this one does: γ·draft_curve(n)/n for its draft
+  steps and verify_curve(n·(γ+1))/n for its verify (`ServiceLoad`: the
+  coordinator's requests in flight, or the calls per forward the verifier
+  reports, whichever is more). A forward's fixed cost is shared, its rows are
+  not: as n grows, rejected drafts cost more than they save and γ falls to 0;
+  it rises again as n falls.
 """
 from __future__ import annotations
 
@@ -126,8 +129,9 @@ class RowCurve:
         the per-call offset: what one batched forward of that many rows costs."""
         rows = max(rows, 1.0)
         n = len(self.measured)
-        if rows >= n:
-            return self.measured[-1] + (rows - n) * self.slope()
+        if rows >= n:  # as specdec.batching.RowCost: no dearer per row than the best of the upper half
+            best_per_row = min(self.measured[i] / (i + 1) for i in range(n // 2, n))
+            return min(self.measured[-1] + (rows - n) * self.slope(), rows * best_per_row)
         lo = int(rows)
         frac = rows - lo
         return self.measured[lo - 1] + frac * (self.measured[lo] - self.measured[lo - 1])
@@ -141,6 +145,7 @@ class CostModel:
     draft: EwLinearFit = field(default_factory=lambda: EwLinearFit(default=(1.0, 25.0), a_over_b=0.05))
     verify: EwLinearFit = field(default_factory=lambda: EwLinearFit(default=(100.0, 5.0), b_over_a=0.05))
     verify_curve: RowCurve | None = None  # from the verifier's Info; the line above is the fallback
+    draft_curve: RowCurve | None = None   # from the drafter's Info: its batched draft steps under load
     # The proposer's prefill, ms per prompt token (0: free or unknown): from the
     # drafter's Info, then an EWMA over measured prefills.
     draft_prefill: float = 0.0
@@ -153,6 +158,7 @@ class CostModel:
         model = cls(draft_prefill=float(draft_prefill_ms_per_token))
         if draft_ms:  # a draft token: one 1-row forward, plus a little for sampling and the RPC
             model.draft = EwLinearFit(default=(1.0, float(draft_ms[0]) * 1.1), a_over_b=0.05)
+            model.draft_curve = RowCurve(draft_ms)
         if verify_ms:
             model.verify_curve = RowCurve(verify_ms)
         return model
@@ -188,8 +194,17 @@ class CostModel:
             return self.verify_curve(gamma + 1)
         return self.verify_curve.forward_ms(calls * (gamma + 1)) / calls + self.verify_curve.offset
 
+    def draft_ms(self, gamma: int, calls: float = 1.0) -> float:
+        """A round's draft cost at γ: alone, the fitted line; when `calls` requests
+        all draft, its share of γ batched draft steps of that many rows."""
+        if gamma <= 0:
+            return 0.0
+        if calls <= LOAD_ALONE or self.draft_curve is None:
+            return self.draft(gamma)
+        return gamma * self.draft_curve.forward_ms(calls) / calls
+
     def round_ms(self, gamma: int, calls: float = 1.0) -> float:
-        return (self.draft(gamma) if gamma > 0 else 0.0) + self.verify_ms(gamma, calls)
+        return self.draft_ms(gamma, calls) + self.verify_ms(gamma, calls)
 
     def marginal_verify_ms(self, gamma: int, calls: float = 1.0) -> float:
         """What verifying one more draft token costs on top of γ of them."""
@@ -199,25 +214,38 @@ class CostModel:
 LOAD_ALONE = 1.05  # calls per forward at or below which a call counts as having run alone
 
 
-class VerifierLoad:
-    """How many calls share each verifier forward now: an EWMA of what the
-    verifier's responses report (their mean calls per forward), fading back to 1
-    (alone) while no response comes. Shared by the requests of a coordinator."""
+class ServiceLoad:
+    """How many requests share the model services now: the coordinator's own
+    requests in flight, or (another coordinator's too) the calls per verifier
+    forward its responses report, an EWMA fading back to 1 while no response
+    comes; whichever is more. Shared by the requests of a coordinator."""
 
     def __init__(self, rate: float = 0.3, fade_s: float = 2.0, clock=time.monotonic):
         self.rate, self.fade_s, self._clock = rate, fade_s, clock
         self._calls, self._at = 1.0, clock()
+        self._lock = threading.Lock()
+        self.in_flight = 0
+
+    def enter(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
 
     def observe(self, batch: BatchLoad) -> None:
         if batch.forwards == 0:
             return
-        calls = self.calls  # faded to now, then moved toward what was seen
+        age = self._clock() - self._at
+        calls = 1.0 + (self._calls - 1.0) * math.exp(-age / self.fade_s)  # faded to now, then moved toward what was seen
         self._calls, self._at = calls + self.rate * (batch.mean_calls - calls), self._clock()
 
     @property
     def calls(self) -> float:
         age = self._clock() - self._at
-        return 1.0 + (self._calls - 1.0) * math.exp(-age / self.fade_s)
+        reported = 1.0 + (self._calls - 1.0) * math.exp(-age / self.fade_s)
+        return max(reported, float(self.in_flight))
 
 
 @dataclass
@@ -356,7 +384,7 @@ class GammaController:
 
     def __init__(self, gamma_max: int, state: ControllerState | None = None, *, initial_gamma: int = 4,
                  hysteresis: float = 0.04, probe_every: int = 8, probe_gamma: int = 2, warmup_rounds: int = 2,
-                 aging: float = 0.8, max_confidence: float = 0.9, load: VerifierLoad | None = None):
+                 aging: float = 0.8, max_confidence: float = 0.9, load: ServiceLoad | None = None):
         self.gamma_max = gamma_max
         self.state = state or ControllerState()
         self.load = load  # None: plan as if alone

@@ -64,25 +64,27 @@ class _Call:
 
 
 class RowCost:
-    """ms of one forward over n rows, from a measured curve [1..N rows]. Past N,
-    each extra row costs the curve's mean slope over its upper half (prefill
-    chunks run far past the measured rows, at about that rate), but no more than
-    the curve's cost per row at N: a noisy last few timings must not make large
-    batches look dearer per row than the rows measured."""
+    """ms of one forward over n rows, from a measured curve [1..N rows]. Past N:
+    the curve's mean slope over its upper half per extra row (prefill chunks run
+    far past the measured rows, at about that rate), but never more per row than
+    the best the upper half measured. Kernels that take rows in passes (int4: 4)
+    make the last measured row look dear (a new pass), and a batch past the
+    curve would then be cut back to the rows measured."""
 
     def __init__(self, forward_ms: Sequence[float]):
         self.ms = [float(v) for v in forward_ms]
         n = len(self.ms)
         half = n // 2
-        slope = (self.ms[-1] - self.ms[half - 1]) / (n - half) if n >= 2 else (self.ms[0] if n else 0.0)
-        self.slope = min(slope, self.ms[-1] / n) if n else 0.0
+        self.slope = (self.ms[-1] - self.ms[half - 1]) / (n - half) if n >= 2 else (self.ms[0] if n else 0.0)
+        self.best_per_row = min(self.ms[i] / (i + 1) for i in range(half, n)) if n else 0.0
 
     def __call__(self, rows: int) -> float:
         if not self.ms:
             return float(rows)
-        if rows <= len(self.ms):
+        n = len(self.ms)
+        if rows <= n:
             return self.ms[max(rows, 1) - 1]
-        return self.ms[-1] + (rows - len(self.ms)) * max(self.slope, 1e-3)
+        return min(self.ms[-1] + (rows - n) * max(self.slope, 1e-3), rows * self.best_per_row)
 
 
 class Scheduler:

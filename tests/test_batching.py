@@ -100,7 +100,10 @@ def test_batches_follow_the_cost_curve_in_arrival_order():
     eight = [Call(1) for _ in range(8)]
     assert scheduler._pick(eight) == eight                    # 8 rows: 12.6 ms a row, under 4's 13.3
     assert RowCost([10.0, 20.0, 30.0, 40.0])(6) == 60.0       # past the curve: its upper half's slope...
-    assert RowCost([10.0, 10.0, 10.0, 40.0])(8) == 80.0       # ...at most its cost per row at the end
+    assert RowCost([10.0, 10.0, 12.0, 40.0])(8) == 32.0       # ...at most the upper half's best cost per row
+    passes = Scheduler(cost=RowCost([40.0, 42.0, 47.0, 53.0, 96.0, 99.0, 100.0, 101.0, 150.0]))
+    many = [Call(1) for _ in range(16)]
+    assert passes._pick(many) == many                         # a 9th row's new pass does not cap the batch at 8
     noisy = Scheduler(cost=RowCost([100.0, 100.0, 100.0, 100.0, 104.0]))
     calls = [Call(1) for _ in range(5)]
     assert noisy._pick(calls) == calls                        # 20.8 a row against 25: within the tolerance

@@ -314,3 +314,42 @@ def test_the_drafters_prefill_cost_starts_from_its_info_and_follows_measured_pre
         cost.observe_draft_prefill(1000, 1500.0)
     assert cost.draft_prefill_ms(100) == pytest.approx(150.0, rel=0.01)
     assert CostModel().draft_prefill_ms(1000) == 0.0   # unknown (an n-gram proposer): free
+
+
+# The measured int4 1.5B and INT8 0.5B curves of this machine (ms for 1..17 rows).
+LOADED_INT4 = [123.2, 151.5, 212.0, 214.3, 364.7, 376.6, 399.9, 370.9, 579.3, 598.0, 609.9, 556.5, 755.3, 783.2,
+               785.5, 795.1, 843.0]
+LOADED_DRAFT = [58.8, 63.8, 67.9, 73.1, 91.6, 69.2, 76.3, 71.7, 89.4, 90.9, 98.5, 120.1, 146.3, 151.8, 138.1,
+                157.9, 142.1]
+
+
+def test_speculation_turns_off_under_load_and_back_on_when_it_falls():
+    from coordinator.gamma import ServiceLoad
+    now = [0.0]
+    load = ServiceLoad(clock=lambda: now[0])
+    state = ControllerState(cost=CostModel.from_curves(LOADED_DRAFT, LOADED_INT4))
+    state.acceptance = Acceptance(alpha=0.8, count=50)
+    controller = GammaController(8, state, load=load)
+    assert controller.best() >= 1                          # alone: drafting pays (α 0.8, a draft step 0.48 of a target's)
+    for _ in range(8):
+        load.enter()
+    assert controller.calls() == 8 and controller.best() == 0   # 8 requests: their rejected rows cost the others
+    assert not controller.prefill_pays(20, 64)             # and a new request does not start the drafter
+    for _ in range(7):
+        load.leave()
+    assert controller.best() >= 1                          # alone again
+    # Another coordinator's load, as the verifier reports it, fades once its replies stop.
+    from specdec.proposer import BatchLoad
+    for _ in range(20):
+        load.observe(BatchLoad(forwards=1, mean_rows=8.0, mean_calls=8.0))
+    assert controller.calls() > 7 and controller.best() == 0
+    now[0] += 20.0
+    assert controller.calls() < 1.01 and controller.best() >= 1
+
+
+def test_a_round_that_shared_its_forwards_teaches_the_cost_model_nothing():
+    cost = CostModel.from_curves([20.0], [40.0, 42.0])
+    before = cost.verify_ms(1)
+    cost.observe(1, 500.0, 900.0, draft_alone=False, verify_alone=False)   # a batch's time, not this call's
+    assert cost.verify_ms(1) == before and cost.draft(1) == pytest.approx(22.0 + 1.0, rel=0.2)
+    assert cost.verify_ms(1, calls=4) == pytest.approx(RowCurve([40.0, 42.0]).forward_ms(8) / 4)
