@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from specdec.errors import Cancelled, DeadlineExceeded
-from specdec.proposer import Commit, Proposal, Proposer, ProposerUnavailable
+from specdec.proposer import Commit, Proposal, Proposer, ProposerUnavailable, Verdict
 from specdec.sampling import SamplingConfig
 from specdec import telemetry
 
@@ -253,21 +253,31 @@ class SpeculativeEngine:
                     draft_ms = (time.perf_counter() - started) * 1e3
                     commit = None
                 # 3. Verify: one target forward pass over the draft, then the rejection sampler.
+                #    With nothing drafted, decode up to the next probe in one call: a call a
+                #    token would miss the verifier's batched forwards between round trips.
                 started = time.perf_counter()
-                verdict = self.verifier.verify(session_id, proposal, request.sampling, timeout())
+                if gamma == 0 and controller is not None:
+                    decoded = self._observe_load(self.verifier.decode(
+                        session_id, min(DECODE_CHUNK, limit + 1, controller.steps_until_probe()), request.sampling,
+                        timeout()))
+                    target_ids, verdict = decoded.token_ids, Verdict(0, decoded.token_ids[-1], False, decoded.batch)
+                else:
+                    verdict = self._observe_load(self.verifier.verify(session_id, proposal, request.sampling,
+                                                                      timeout()))
+                    target_ids = [verdict.next_token_id]
                 verify_ms = (time.perf_counter() - started) * 1e3
-                self._observe_load(verdict)
-                # 4. The round's tokens: accepted drafts, then the recovered or bonus token.
-                new_tokens = [*proposal.token_ids[: verdict.num_accepted], verdict.next_token_id]
+                # 4. The round's tokens: accepted drafts, then the recovered or bonus token (or the decoded ones).
+                new_tokens = [*proposal.token_ids[: verdict.num_accepted], *target_ids]
                 # 5. Remember what the proposer must commit next time it is called
                 #    (with no proposal this round, the target tokens pile up).
-                commit = Commit(verdict.num_accepted, (verdict.next_token_id,)) if commit is None else \
-                    Commit(commit.num_accepted, commit.target_token_ids + (verdict.next_token_id,))
+                commit = Commit(verdict.num_accepted, tuple(target_ids)) if commit is None else \
+                    Commit(commit.num_accepted, commit.target_token_ids + tuple(target_ids))
                 # 6. Record the round once: stats, metrics, the controller and the span read it.
                 record = RoundRecord(stats.rounds, gamma, len(proposal.token_ids), verdict.num_accepted,
                                      verdict.bonus, draft_ms, verify_ms, min_confidence, proposal.confidences,
-                                     proposal.batch.mean_rows, proposal.batch.mean_calls, proposal.batch.queue_ms,
-                                     verdict.batch.mean_rows, verdict.batch.mean_calls, verdict.batch.queue_ms)
+                                     len(target_ids), proposal.batch.mean_rows, proposal.batch.mean_calls,
+                                     proposal.batch.queue_ms, verdict.batch.mean_rows, verdict.batch.mean_calls,
+                                     verdict.batch.queue_ms)
                 self._record(record, stats, controller)
                 span.set_attributes(record.span_attributes())
             yield new_tokens

@@ -441,6 +441,10 @@ class GammaController:
         learned calibration."""
         return min(self.max_confidence, self.state.calibration.threshold(self.required_acceptance()))
 
+    def steps_until_probe(self) -> int:
+        """At γ = 0: target tokens to decode before the next probe round (at least 1)."""
+        return max(1, self.probe_every - self.rounds_at_zero)
+
     def next_gamma(self, limit: int | None = None) -> int:
         gamma = self.gamma
         self.probing = False
@@ -455,7 +459,8 @@ class GammaController:
         state.rounds += 1
         # What was drafted, not what was asked for: a confidence stop may draft fewer.
         drafted, accepted = round.drafted, round.accepted
-        state.cost.observe(drafted, round.draft_ms, round.verify_ms, draft_alone=round.draft_batch_calls <= LOAD_ALONE,
+        state.cost.observe(drafted, round.draft_ms, round.verify_ms / max(round.steps, 1),
+                           draft_alone=round.draft_batch_calls <= LOAD_ALONE,
                            verify_alone=round.verify_batch_calls <= LOAD_ALONE)
         if drafted > 0:
             state.acceptance.observe(drafted, accepted)
@@ -472,7 +477,7 @@ class GammaController:
             self.gamma, self.probe_every = best, self.base_probe_every
             return
         if self.gamma == 0:
-            self.rounds_at_zero += 1
+            self.rounds_at_zero += max(round.steps, 1)  # a probe comes after so many target tokens
             state.acceptance.age(self.aging)
         if best != self.gamma and self.goodput(best) > self.goodput(self.gamma) * (1 + self.hysteresis):
             self.gamma = best

@@ -17,6 +17,7 @@ class RoundRecord:
     verify_ms: float = 0.0
     min_confidence: float = 0.0             # the drafter stopped after a token below this
     confidences: tuple[float, ...] = ()     # [drafted] what the draft gave each of its tokens
+    steps: int = 1                          # verifier forwards it took: a γ = 0 round decodes several tokens
     # The model services' batching: rows per forward this round's calls shared, and their queue waits.
     draft_batch_rows: float = 0.0
     draft_batch_calls: float = 0.0
