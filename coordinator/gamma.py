@@ -199,9 +199,12 @@ class CostModel:
         all draft, its share of γ batched draft steps of that many rows."""
         if gamma <= 0:
             return 0.0
+        alone = self.draft(gamma)
         if calls <= LOAD_ALONE or self.draft_curve is None:
-            return self.draft(gamma)
-        return gamma * self.draft_curve.forward_ms(calls) / calls
+            return alone
+        # The forwards are shared; what a call costs beyond them (RPC, sampling) is not.
+        forward = gamma * self.draft_curve.forward_ms(1)
+        return gamma * self.draft_curve.forward_ms(calls) / calls + max(alone - forward, 0.0)
 
     def round_ms(self, gamma: int, calls: float = 1.0) -> float:
         return self.draft_ms(gamma, calls) + self.verify_ms(gamma, calls)
