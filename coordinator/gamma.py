@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from specdec.cost_curve import RowCost
 from specdec.proposer import BatchLoad
 from specdec.sampling import SamplingConfig
 
@@ -95,6 +96,7 @@ class RowCurve:
     def __init__(self, measured: Sequence[float], rate: float = 0.1):
         assert measured, "a curve needs at least the 1-row forward"
         self.measured = [float(ms) for ms in measured]          # [rows - 1] -> ms
+        self.forward_ms = RowCost(self.measured)                # a forward over any rows: a batch's
         self.estimate = list(self.measured)
         self.seen = [0] * len(self.measured)
         self.offset, self.offset_count, self.rate = 0.0, 0, rate
@@ -112,29 +114,8 @@ class RowCurve:
         i = min(max(rows, 1), len(self.measured)) - 1
         value = self.estimate[i] if self.seen[i] else self.measured[i] + self.offset
         if rows > len(self.measured):
-            value += (rows - len(self.measured)) * self.slope()
+            value += (rows - len(self.measured)) * self.forward_ms.slope
         return max(value, 0.0)
-
-    def slope(self) -> float:
-        """ms per row past the measured rows: the mean slope of the curve's upper
-        half (the last step alone can be a whole kernel pass, or noise)."""
-        n = len(self.measured)
-        if n < 2:
-            return self.measured[0]
-        half = n // 2
-        return max((self.measured[-1] - self.measured[half - 1]) / (n - half), 0.0)
-
-    def forward_ms(self, rows: float) -> float:
-        """The measured forward over `rows` rows (fractional: interpolated), without
-        the per-call offset: what one batched forward of that many rows costs."""
-        rows = max(rows, 1.0)
-        n = len(self.measured)
-        if rows >= n:  # as specdec.batching.RowCost: no dearer per row than the best of the upper half
-            best_per_row = min(self.measured[i] / (i + 1) for i in range(n // 2, n))
-            return min(self.measured[-1] + (rows - n) * self.slope(), rows * best_per_row)
-        lo = int(rows)
-        frac = rows - lo
-        return self.measured[lo - 1] + frac * (self.measured[lo] - self.measured[lo - 1])
 
 
 @dataclass
@@ -240,15 +221,15 @@ class ServiceLoad:
     def observe(self, batch: BatchLoad) -> None:
         if batch.forwards == 0:
             return
-        age = self._clock() - self._at
-        calls = 1.0 + (self._calls - 1.0) * math.exp(-age / self.fade_s)  # faded to now, then moved toward what was seen
+        calls = self._reported()  # faded to now, then moved toward what was seen
         self._calls, self._at = calls + self.rate * (batch.mean_calls - calls), self._clock()
+
+    def _reported(self) -> float:
+        return 1.0 + (self._calls - 1.0) * math.exp(-(self._clock() - self._at) / self.fade_s)
 
     @property
     def calls(self) -> float:
-        age = self._clock() - self._at
-        reported = 1.0 + (self._calls - 1.0) * math.exp(-age / self.fade_s)
-        return max(reported, float(self.in_flight))
+        return max(self._reported(), float(self.in_flight))
 
 
 @dataclass

@@ -23,11 +23,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 
 from specdec import torch_thread
+from specdec.cost_curve import RowCost  # noqa: F401 - the scheduler's cost, re-exported
 from specdec.kv_cache import Forward, Steps, run_steps
 
 T = TypeVar("T")
@@ -44,10 +45,6 @@ class CallStats:
     queue_ms: float = 0.0    # summed: from being pending to its forward starting
 
     @property
-    def mean_rows(self) -> float:
-        return self.rows / self.forwards if self.forwards else 0.0
-
-    @property
     def mean_calls(self) -> float:
         return self.calls / self.forwards if self.forwards else 0.0
 
@@ -61,30 +58,6 @@ class _Call:
     result: object = None
     error: BaseException | None = None
     stats: CallStats = field(default_factory=CallStats)
-
-
-class RowCost:
-    """ms of one forward over n rows, from a measured curve [1..N rows]. Past N:
-    the curve's mean slope over its upper half per extra row (prefill chunks run
-    far past the measured rows, at about that rate), but never more per row than
-    the best the upper half measured. Kernels that take rows in passes (int4: 4)
-    make the last measured row look dear (a new pass), and a batch past the
-    curve would then be cut back to the rows measured."""
-
-    def __init__(self, forward_ms: Sequence[float]):
-        self.ms = [float(v) for v in forward_ms]
-        n = len(self.ms)
-        half = n // 2
-        self.slope = (self.ms[-1] - self.ms[half - 1]) / (n - half) if n >= 2 else (self.ms[0] if n else 0.0)
-        self.best_per_row = min(self.ms[i] / (i + 1) for i in range(half, n)) if n else 0.0
-
-    def __call__(self, rows: int) -> float:
-        if not self.ms:
-            return float(rows)
-        n = len(self.ms)
-        if rows <= n:
-            return self.ms[max(rows, 1) - 1]
-        return min(self.ms[-1] + (rows - n) * max(self.slope, 1e-3), rows * self.best_per_row)
 
 
 class Scheduler:

@@ -59,7 +59,3 @@ class KVPool:
             self.used_tokens -= holding[0]
             self.holders -= 1
             holding[0] = 0
-
-    @property
-    def used_bytes(self) -> int:
-        return self.used_tokens * self.token_bytes

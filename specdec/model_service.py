@@ -56,7 +56,7 @@ class ModelServiceBase(Generic[S]):
         self._tokenizer_files: dict[str, bytes] | None = None
         self.curve = CostCurve([], 0.0)  # measured at warm-up
         self.pool = pool
-        self.scheduler = scheduler or Scheduler(lean_batch_forward(loaded.lean) if loaded.lean else None)
+        self.scheduler = scheduler or new_scheduler(loaded)
         self.prefill_chunk = prefill_chunk
 
     def run_call(self, steps: Steps[T]) -> tuple[T, common_pb2.BatchStats]:
@@ -119,6 +119,11 @@ class ModelServiceBase(Generic[S]):
 
     def EndSession(self, request, context) -> common_pb2.EndSessionResponse:
         return common_pb2.EndSessionResponse(existed=self.sessions.remove(request.session_id))
+
+
+def new_scheduler(loaded: LoadedModel, max_rows: int = MAX_BATCH_ROWS) -> Scheduler:
+    """Batched forwards on the lean forward; on transformers' forward, each alone."""
+    return Scheduler(lean_batch_forward(loaded.lean) if loaded.lean else None, max_rows=max_rows)
 
 
 def batch_stats(stats: CallStats, pending_calls: int) -> common_pb2.BatchStats:
@@ -209,7 +214,7 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
     store = SessionStore(ttl_s=session_ttl_s, max_sessions=max_sessions)
     store.start_reaper()
     pool = kv_pool(loaded, kv_cache_mb)
-    scheduler = Scheduler(lean_batch_forward(loaded.lean) if loaded.lean else None, max_rows=max_batch_rows)
+    scheduler = new_scheduler(loaded, max_batch_rows)
     servicer = servicer_cls(loaded, session_cls, store, pool, scheduler, prefill_chunk)
     # A worker per session and a few spare, so health checks are answered under full load.
     running = start_server(lambda server: add_to_server(servicer, server), [service_name], host=host, port=port,

@@ -1,0 +1,36 @@
+"""A model service's measured cost curve, read as ms of one forward over any
+number of rows. Shared by the batching scheduler (how many rows to run at once)
+and the coordinator's γ controller (what a share of a batched forward costs);
+no torch, so the coordinator can use it."""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class RowCost:
+    """ms of one forward over n rows, from a measured curve [1..N rows]; between
+    measured row counts, interpolated. Past N: the curve's mean slope over its
+    upper half per extra row (prefill chunks run far past the measured rows, at
+    about that rate), but never more per row than the best the upper half
+    measured. Kernels that take rows in passes (int4: 4) make the last measured
+    row look dear (a new pass), and a batch past the curve would then be cut back
+    to the rows measured."""
+
+    def __init__(self, forward_ms: Sequence[float]):
+        self.ms = [float(v) for v in forward_ms]
+        n = len(self.ms)
+        half = n // 2
+        if n >= 2:  # the last step alone can be a whole kernel pass, or noise
+            self.slope = max((self.ms[-1] - self.ms[half - 1]) / (n - half), 0.0)
+        else:
+            self.slope = self.ms[0] if n else 0.0
+        self.best_per_row = min(self.ms[i] / (i + 1) for i in range(half, n)) if n else 0.0
+
+    def __call__(self, rows: float) -> float:
+        if not self.ms:
+            return float(rows)
+        rows, n = max(rows, 1.0), len(self.ms)
+        if rows >= n:
+            return min(self.ms[-1] + (rows - n) * self.slope, rows * self.best_per_row)
+        lo = int(rows)
+        return self.ms[lo - 1] + (rows - lo) * (self.ms[lo] - self.ms[lo - 1])
