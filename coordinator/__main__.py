@@ -12,7 +12,9 @@ from specdec.security import ClientTls, load_token
 from specdec.serving import MAX_PUBLIC_MESSAGE_BYTES
 from specdec.serving import catch_stop_signals, run_until_signal
 
-from coordinator.service import CoordinatorConfig, serve
+from specdec.wire import Truncation
+
+from coordinator.service import DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P, HYBRID, PROPOSERS, CoordinatorConfig, serve
 
 
 def parse_gamma(value: str) -> int | None:
@@ -28,8 +30,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verifier", required=True, help="verifier address: HOST:PORT, or unix:PATH (sidecar mode)")
     parser.add_argument("--drafter", help="drafter address: HOST:PORT or unix:PATH (omit for target-only or n-gram "
                         "serving)")
-    parser.add_argument("--proposer", default="drafter", choices=["drafter", "ngram"],
-                        help="who drafts: the drafter service, or prompt lookup (no draft model)")
+    parser.add_argument("--proposer", default=HYBRID, choices=PROPOSERS,
+                        help="who drafts unless a request says: hybrid (n-gram lookups in the prompt, the output and "
+                        "recent outputs, free, then the drafter where they find nothing or beyond them), model (the "
+                        "drafter alone) or ngram (the lookups alone, no drafter)")
+    parser.add_argument("--draft-top-k", type=int, default=DEFAULT_DRAFT_TOP_K,
+                        help="when sampling, the drafter samples from its top-k tokens, renormalized, and sends only "
+                        "them (lossless: the verifier is told exactly that distribution); 0 with --draft-top-p 1 "
+                        "sends the whole distribution (2 bytes per vocabulary entry per token)")
+    parser.add_argument("--draft-top-p", type=float, default=DEFAULT_DRAFT_TOP_P,
+                        help="... and from the fewest top tokens holding this much of its mass (1: off)")
+    parser.add_argument("--lookup-history-tokens", type=int, default=16384,
+                        help="tokens of recent outputs that every request's n-gram lookups search (0: none; each "
+                        "request still searches its own prompt and output)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--gamma", default="auto", type=parse_gamma,
@@ -71,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
             connect_timeout_s=args.connect_timeout, max_sessions=args.max_sessions,
             max_message_bytes=args.max_message_bytes, log_prompts=args.log_prompts, tls=server_tls(args),
             drafter_timeout_s=args.drafter_timeout,
+            draft_truncation=Truncation(args.draft_top_k, args.draft_top_p),
+            lookup_history_tokens=args.lookup_history_tokens,
             auth_token=load_token(args.auth_token_env, args.auth_token_file),
             backend_tls=ClientTls.from_args(args.backend_tls_ca, args.backend_tls_cert, args.backend_tls_key))
         stopping = catch_stop_signals()

@@ -18,7 +18,7 @@ from specdec import telemetry
 from specdec.security import ClientTls
 from specdec.serving import channel
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specdec.wire import sampling_to_proto
+from specdec.wire import ONE_HOT, Truncation, draft_probs_from_proto, draft_probs_to_proto, sampling_to_proto
 
 log = logging.getLogger("coordinator")
 Timeout = Callable[[], "float | None"]  # seconds left of the caller's deadline
@@ -79,10 +79,14 @@ class VerifierClient(ModelClient):
 
     def verify(self, session_id: str, proposal: Proposal, sampling: SamplingConfig,
                timeout: float | None = None) -> Verdict:
-        reply = self.call("Verify", verifier_pb2.VerifyRequest(
-            session_id=session_id, draft_token_ids=proposal.token_ids,
-            draft_probs_fp16=proposal.draft_probs_fp16, sampling=sampling_to_proto(sampling)), timeout)
-        return Verdict(reply.num_accepted, reply.next_token_id, reply.bonus, BatchLoad.from_proto(reply.batch))
+        draft = verifier_pb2.VerifyRequest(draft_token_ids=proposal.token_ids,
+                                           draft_probs=draft_probs_to_proto(proposal.draft_probs))
+        draft_bytes = draft.ByteSize()  # the draft's share of the request: its ids and probabilities
+        draft.session_id = session_id
+        draft.sampling.CopyFrom(sampling_to_proto(sampling))
+        reply = self.call("Verify", draft, timeout)
+        return Verdict(reply.num_accepted, reply.next_token_id, reply.bonus, BatchLoad.from_proto(reply.batch),
+                       draft_bytes)
 
     def decode(self, session_id: str, num_tokens: int, sampling: SamplingConfig,
                timeout: float | None = None) -> Decoded:
@@ -104,16 +108,22 @@ class DrafterClient(ModelClient):
             common_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt_ids), timeout=timeout)
 
     def propose(self, session_id: str, num_tokens: int, sampling: SamplingConfig, commit: Commit | None,
-                min_confidence: float, timeout: float | None) -> Proposal:
-        """Raises grpc.RpcError as it is: the proposer decides what a failure means."""
+                min_confidence: float, timeout: float | None, prefix: Sequence[int] = (),
+                truncation: Truncation = Truncation()) -> Proposal:
+        """Raises grpc.RpcError as it is: the proposer decides what a failure means.
+        The proposal is `prefix` (one-hot: a lookup's), then the model's drafts."""
         request = drafter_pb2.ProposeRequest(session_id=session_id, num_tokens=num_tokens,
-                                             sampling=sampling_to_proto(sampling), min_confidence=min_confidence)
+                                             sampling=sampling_to_proto(sampling), min_confidence=min_confidence,
+                                             draft_prefix_ids=prefix, truncation_top_k=truncation.top_k)
+        if truncation.top_p < 1.0:
+            request.truncation_top_p = truncation.top_p
         if commit is not None:
             request.commit.num_accepted = commit.num_accepted
             request.commit.target_token_ids.extend(commit.target_token_ids)
         reply = self.stub.Propose(request, timeout=timeout)
-        return Proposal(tuple(reply.draft_token_ids), reply.draft_probs_fp16, tuple(reply.draft_confidences),
-                        BatchLoad.from_proto(reply.batch))
+        probs = draft_probs_from_proto(reply.draft_probs)
+        return Proposal((*prefix, *reply.draft_token_ids), (ONE_HOT,) * len(prefix) + probs if probs else (),
+                        tuple(reply.draft_confidences), BatchLoad.from_proto(reply.batch), len(prefix))
 
 
 class RemoteDraftProposer(Proposer):
@@ -123,8 +133,9 @@ class RemoteDraftProposer(Proposer):
     on target-only); the caller's cancellation or deadline stays what it is."""
 
     def __init__(self, client: DrafterClient, expected_fingerprint: str, timeout: Timeout = _no_deadline,
-                 call_timeout_s: float = 30.0):
+                 call_timeout_s: float = 30.0, truncation: Truncation = Truncation()):
         self.client = client
+        self.truncation = truncation  # the draft distribution's support sent (sparse) when sampling
         self.expected_fingerprint = expected_fingerprint
         self._caller_timeout = timeout
         self.call_timeout_s = call_timeout_s  # a hung drafter must not hang the request
@@ -155,8 +166,8 @@ class RemoteDraftProposer(Proposer):
             log.error("drafter at %s now has tokenizer %s, not the target's %s", self.client.address,
                       reply.tokenizer_fingerprint, self.expected_fingerprint)
             raise ProposerUnavailable(
-                "the drafter now serves another tokenizer than the target's; drafting is off until it serves the "
-                "target's again (this request went target-only: same output, slower)",
+                "the drafter now serves another tokenizer than the target's; model drafting is off until it serves "
+                "the target's again",
                 grpc.StatusCode.FAILED_PRECONDITION)
 
     def _failure(self, method: str, exc: grpc.RpcError) -> Exception:
@@ -169,14 +180,14 @@ class RemoteDraftProposer(Proposer):
         code = exc.code()
         what = (f"the drafter became unavailable ({code.name})" if code in TRANSPORT_CODES else
                 f"the drafter refused {method} ({code.name}: {exc.details()})")
-        return ProposerUnavailable(f"{what}; this request went target-only (same output, slower)", code)
+        return ProposerUnavailable(what, code)
 
     def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None,
-                min_confidence: float = 0.0) -> Proposal:
+                min_confidence: float = 0.0, prefix: Sequence[int] = ()) -> Proposal:
         self._await_start()
         try:
             return self.client.propose(self._session_id, num_tokens, sampling, commit, min_confidence,
-                                       self._timeout())
+                                       self._timeout(), prefix, self.truncation)
         except grpc.RpcError as exc:
             raise self._failure("Propose", exc) from exc
 

@@ -1,9 +1,10 @@
 """The speculative loop, and the stats it keeps.
 
-One round: the proposer drafts gamma tokens (the previous round's commit rides
-along), the verifier scores them in one target forward pass and runs the
-rejection sampler, and the accepted drafts plus the target's recovered or bonus
-token are the round's output. With speculation off, the verifier decodes alone.
+One round: the proposer drafts gamma tokens (an n-gram lookup's first, free,
+then the draft model's; the previous round's commit rides along), the verifier
+scores them in one target forward pass and runs the rejection sampler, and the
+accepted drafts plus the target's recovered or bonus token are the round's
+output. With speculation off, the verifier decodes alone.
 """
 from __future__ import annotations
 
@@ -13,17 +14,25 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from specdec.errors import Cancelled, DeadlineExceeded
-from specdec.proposer import Commit, Proposal, Proposer, ProposerUnavailable, Verdict
+from specdec.proposer import MODEL, NGRAM, Commit, Lookup, Proposal, Proposer, ProposerUnavailable, Verdict
 from specdec.sampling import SamplingConfig
 from specdec import telemetry
 
 from coordinator.clients import VerifierClient
-from coordinator.gamma import CostModel, GammaController, GammaPriors, ServiceLoad
+from coordinator.gamma import LOAD_ALONE, CostModel, GammaController, GammaPriors, Plan, ServiceLoad
 from coordinator.metrics import Metrics
 from coordinator.output import Delta, OutputAccumulator
 from coordinator.rounds import RoundRecord
 
 DECODE_CHUNK = 16  # target-only tokens per Decode call (one streamed message each)
+FIXED_MIN_MATCH = 3  # fixed γ: a lookup backed by this many context tokens drafts before the model
+
+
+def fixed_plan(lookup: Lookup, gamma: int, model: bool) -> Plan:
+    """A fixed γ's round: γ tokens, a lookup's first when its match is long
+    enough (any match, without a model), the model's after them."""
+    ngram = min(len(lookup.token_ids), gamma) if lookup.match_length >= (FIXED_MIN_MATCH if model else 1) else 0
+    return Plan(ngram, gamma - ngram if model else 0)
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,7 @@ class GenerationRequest:
     adaptive: bool = False          # γ chosen per round by a GammaController
     ignore_eos: bool = False        # keep going past EOS (load tests, benchmarks)
     confidence_stop: bool = False   # adaptive: the drafter may end a round early (GammaController.min_confidence)
+    proposer: str = ""              # "hybrid", "model" or "ngram"; "": the server's default
 
 
 @dataclass
@@ -59,9 +69,18 @@ class Stats:
     draft_queue_ms: float = 0.0
     verify_rows: float = 0.0       # rows of the forwards each verifier call shared, summed over calls
     verify_calls: int = 0          # verifier calls that reported their batching
+    sources: dict[str, "SourceCount"] = field(default_factory=dict)  # per draft source, those that drafted
+    draft_bytes: int = 0           # draft data sent to the verifier
+    drafting_rounds: int = 0
 
     def record(self, round: RoundRecord) -> None:
         self.rounds += 1
+        self.draft_bytes += round.draft_bytes
+        self.drafting_rounds += round.drafted > 0
+        for name, drafted, accepted in ((NGRAM, round.ngram_drafted, round.ngram_accepted),
+                                        (MODEL, round.model_drafted, round.model_accepted)):
+            if drafted:
+                self.sources.setdefault(name, SourceCount()).add(drafted, accepted)
         self.draft_tokens += round.drafted
         self.accepted_tokens += round.accepted
         self.draft_ms += round.draft_ms
@@ -78,6 +97,10 @@ class Stats:
         for position, accepted in enumerate(round.accepted_by_position):
             self.drafted_at[position] += 1
             self.accepted_at[position] += accepted
+
+    @property
+    def draft_bytes_per_round(self) -> float:
+        return self.draft_bytes / self.drafting_rounds if self.drafting_rounds else 0.0
 
     @property
     def verify_batch_rows(self) -> float:
@@ -102,6 +125,22 @@ class Stats:
     @property
     def tokens_per_second(self) -> float:
         return self.output_tokens / (self.total_ms / 1e3) if self.total_ms else 0.0
+
+
+@dataclass
+class SourceCount:
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 @dataclass
@@ -178,18 +217,19 @@ class SpeculativeEngine:
         first = self._observe_load(self.verifier.decode(session_id, 1, request.sampling, timeout())).token_ids
         stats.prefill_ms = (time.perf_counter() - started) * 1e3
         yield first
-        # 2. Adaptive γ: draft only if drafting is expected to save more than the
-        #    proposer's prefill of this prompt costs.
+        # 2. Adaptive γ: draft with the model only if that is expected to save more
+        #    than the proposer's prefill of this prompt costs; free drafts need none.
         controller = GammaController(request.gamma_max, self.gamma_priors.start(request.sampling),
                                      load=self.load) if request.adaptive else None
-        context = (*request.prompt_ids, *first)
-        if controller is not None and not controller.prefill_pays(len(context), request.max_new_tokens - 1):
-            stats.gamma = 0
-            stats.fallback = (f"drafting was not expected to save what the drafter's prefill of the "
-                              f"{len(context)}-token prompt costs (with {controller.calls():.1f} calls sharing each "
-                              "verifier forward); this request went target-only")
-            yield from self._target_only_rounds(session_id, request, stats, output, timeout)
-            return
+        context = [*request.prompt_ids, *first]  # every token decided: what lookups search
+        if (controller is not None and proposer.drafts_with_model
+                and not controller.prefill_pays(len(context), request.max_new_tokens - 1)):
+            why = (f"drafting was not expected to save what the drafter's prefill of the {len(context)}-token "
+                   f"prompt costs (with {controller.calls():.1f} calls sharing each verifier forward)")
+            proposer = self._without_model(proposer, stats, why, controller)
+            if proposer is None:
+                yield from self._target_only_rounds(session_id, request, stats, output, timeout)
+                return
         # 3. The proposer's prefill: the prompt and the first token.
         prefilled = time.perf_counter()
         proposer.start(session_id, context)
@@ -197,15 +237,32 @@ class SpeculativeEngine:
             proposer.ready()
         except ProposerUnavailable as exc:
             self._fall_back(exc, stats)
-            yield from self._target_only_rounds(session_id, request, stats, output, timeout)
-            return
+            proposer = self._without_model(proposer, stats, str(exc), controller)
+            if proposer is None:
+                yield from self._target_only_rounds(session_id, request, stats, output, timeout)
+                return
         finally:
             prefill_ms = (time.perf_counter() - prefilled) * 1e3
             stats.prefill_ms += prefill_ms
-        if controller is not None:
+        if controller is not None and proposer.drafts_with_model:
             controller.state.cost.observe_draft_prefill(len(context), prefill_ms)
         # 4. Speculative rounds.
-        yield from self._speculative_rounds(session_id, request, proposer, stats, output, timeout, controller)
+        yield from self._speculative_rounds(session_id, request, proposer, stats, output, timeout, controller,
+                                            context)
+
+    @staticmethod
+    def _without_model(proposer: Proposer, stats: Stats, why: str,
+                       controller: GammaController | None) -> Proposer | None:
+        """The request's proposer without its model: its free drafts, or None (target-only)."""
+        free = proposer.free_only()
+        if free is None:
+            stats.gamma = 0
+            stats.fallback = f"{why}; this request went target-only (same output, slower)"
+            return None
+        stats.fallback = f"{why}; this request drafted with n-gram lookups alone (same output)"
+        if controller is not None:
+            controller.without_model()
+        return free
 
     @staticmethod
     def _check_caller(cancelled, timeout, stats: Stats) -> None:
@@ -218,48 +275,62 @@ class SpeculativeEngine:
                                    f"({stats.rounds} rounds); raise the client's timeout or lower max_new_tokens")
 
     def _fall_back(self, exc: ProposerUnavailable, stats: Stats) -> None:
-        stats.fallback = str(exc)
         self.metrics.fallbacks.inc()
         self.on_proposer_failure(exc)
 
     def _speculative_rounds(self, session_id: str, request: GenerationRequest, proposer: Proposer, stats: Stats,
-                            output: OutputAccumulator, timeout,
-                            controller: GammaController | None) -> Iterator[list[int]]:
+                            output: OutputAccumulator, timeout, controller: GammaController | None,
+                            context: list[int]) -> Iterator[list[int]]:
         try:
-            yield from self._rounds(session_id, request, proposer, stats, output, timeout, controller)
-        except ProposerUnavailable as exc:
-            # Raised by propose(), before this round's Verify: the verifier's session
-            # is whole, and target-only decoding carries on from exactly there.
-            self._fall_back(exc, stats)
-            yield from self._target_only_rounds(session_id, request, stats, output, timeout)
+            while True:
+                try:
+                    yield from self._rounds(session_id, request, proposer, stats, output, timeout, controller,
+                                            context)
+                except ProposerUnavailable as exc:
+                    # Raised by propose(), before this round's Verify: the verifier's session
+                    # is whole, and decoding carries on from exactly there, with the free
+                    # drafts if the proposer has them, else target-only.
+                    self._fall_back(exc, stats)
+                    proposer = self._without_model(proposer, stats, str(exc), controller)
+                    if proposer is None:
+                        yield from self._target_only_rounds(session_id, request, stats, output, timeout)
+                        return
         finally:
             if controller is not None:
                 self.gamma_priors.finish(request.sampling, controller.state)
 
-    def _rounds(self, session_id, request, proposer, stats, output, timeout, controller) -> Iterator[list[int]]:
+    def _rounds(self, session_id, request, proposer, stats, output, timeout, controller,
+                context: list[int]) -> Iterator[list[int]]:
         commit: Commit | None = None  # what the proposer has not yet been told
         while True:
             with telemetry.tracer.start_as_current_span("round") as span:
-                # 1. Choose γ (fixed, or by the controller); the verifier always adds one token.
+                # 1. Plan the round: lookup tokens (free) first, then model drafts after
+                #    them, by fixed γ or by the controller; the verifier always adds one token.
                 limit = max(0, request.max_new_tokens - len(output.token_ids) - 1)
-                gamma = controller.next_gamma(limit) if controller else min(request.gamma_max, limit)
-                # 2. Propose gamma tokens; the previous round's commit rides on the call.
+                lookup = proposer.lookup(context, limit)
+                plan = controller.plan(lookup, limit) if controller else fixed_plan(
+                    lookup, min(request.gamma_max, limit), proposer.drafts_with_model)
+                # 2. Propose; the previous round's commit rides on the call.
                 proposal, draft_ms, min_confidence = Proposal(()), 0.0, 0.0
-                if gamma > 0:
+                if plan.drafted > 0:
                     started = time.perf_counter()
-                    if controller is not None and request.confidence_stop:
-                        min_confidence = controller.min_confidence()  # the drafter may stop short of gamma
-                    proposal = proposer.propose(gamma, request.sampling, commit, min_confidence)
+                    if controller is not None and request.confidence_stop and plan.model:
+                        min_confidence = controller.min_confidence()  # the drafter may stop short of γ
+                    proposal = proposer.propose(plan.model, request.sampling, commit, min_confidence,
+                                                lookup.token_ids[: plan.ngram])
                     draft_ms = (time.perf_counter() - started) * 1e3
                     commit = None
                 # 3. Verify: one target forward pass over the draft, then the rejection sampler.
-                #    With nothing drafted, decode up to the next probe in one call: a call a
-                #    token would miss the verifier's batched forwards between round trips.
+                #    With nothing drafted, decode: up to the next probe in one call (a call a
+                #    token would miss the verifier's batched forwards between round trips),
+                #    or one token when lookups may find a draft after it and no batch waits.
                 started = time.perf_counter()
-                if gamma == 0 and controller is not None:
-                    decoded = self._observe_load(self.verifier.decode(
-                        session_id, min(DECODE_CHUNK, limit + 1, controller.steps_until_probe()), request.sampling,
-                        timeout()))
+                if not proposal.token_ids:
+                    alone = controller is None or controller.calls() <= LOAD_ALONE
+                    steps = 1 if controller is None or (proposer.looks_up and alone) else \
+                        min(DECODE_CHUNK, limit + 1, controller.steps_until_probe())
+                    decoded = self._observe_load(self.verifier.decode(session_id, steps, request.sampling,
+                                                                      timeout()))
                     target_ids, verdict = decoded.token_ids, Verdict(0, decoded.token_ids[-1], False, decoded.batch)
                 else:
                     verdict = self._observe_load(self.verifier.verify(session_id, proposal, request.sampling,
@@ -268,16 +339,18 @@ class SpeculativeEngine:
                 verify_ms = (time.perf_counter() - started) * 1e3
                 # 4. The round's tokens: accepted drafts, then the recovered or bonus token (or the decoded ones).
                 new_tokens = [*proposal.token_ids[: verdict.num_accepted], *target_ids]
+                context += new_tokens
                 # 5. Remember what the proposer must commit next time it is called
                 #    (with no proposal this round, the target tokens pile up).
                 commit = Commit(verdict.num_accepted, tuple(target_ids)) if commit is None else \
                     Commit(commit.num_accepted, commit.target_token_ids + tuple(target_ids))
                 # 6. Record the round once: stats, metrics, the controller and the span read it.
-                record = RoundRecord(stats.rounds, gamma, len(proposal.token_ids), verdict.num_accepted,
+                record = RoundRecord(stats.rounds, plan.drafted, len(proposal.token_ids), verdict.num_accepted,
                                      verdict.bonus, draft_ms, verify_ms, min_confidence, proposal.confidences,
                                      len(target_ids), proposal.batch.mean_rows, proposal.batch.mean_calls,
                                      proposal.batch.queue_ms, verdict.batch.mean_rows, verdict.batch.mean_calls,
-                                     verdict.batch.queue_ms)
+                                     verdict.batch.queue_ms, proposal.ngram_tokens,
+                                     lookup.match_length if proposal.ngram_tokens else 0, verdict.draft_bytes)
                 self._record(record, stats, controller)
                 span.set_attributes(record.span_attributes())
             yield new_tokens

@@ -31,7 +31,12 @@ plus a little per token). γ = 0 is plain target decoding: no drafter call.
   coordinator's requests in flight, or the calls per forward the verifier
   reports, whichever is more). A forward's fixed cost is shared, its rows are
   not: as n grows, rejected drafts cost more than they save and γ falls to 0;
-  it rises again as n falls.
+  it rises again as n falls;
+* free drafts (n-gram lookups, `plan`): a lookup token costs only its verify
+  row, a model token a draft step too. Acceptance of lookup tokens is learned
+  per match length (how many tokens of context back the lookup), and each round
+  takes the number of lookup tokens, then of model tokens after them, that
+  maximizes goodput; a lookup that does not pay is still tried now and then.
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from specdec.cost_curve import RowCost
-from specdec.proposer import BatchLoad
+from specdec.proposer import BatchLoad, Lookup
 from specdec.sampling import SamplingConfig
 
 from coordinator.rounds import RoundRecord
@@ -154,11 +159,14 @@ class CostModel:
         return self.draft_prefill * tokens
 
     def observe(self, gamma: int, draft_ms: float, verify_ms: float, draft_alone: bool = True,
-                verify_alone: bool = True) -> None:
-        """A round's timings. Only calls that ran alone in their forwards teach the
-        cost of γ: a batched call's time is the batch's, which the load accounts for."""
-        if gamma > 0 and draft_alone:
-            self.draft.observe(gamma, draft_ms)
+                verify_alone: bool = True, model_tokens: int | None = None) -> None:
+        """A round's timings: `gamma` tokens verified, `model_tokens` of them drafted
+        by the model (the rest were free lookups; None: all). Only calls that ran
+        alone in their forwards teach the cost of γ: a batched call's time is the
+        batch's, which the load accounts for."""
+        model_tokens = gamma if model_tokens is None else model_tokens
+        if model_tokens > 0 and draft_alone:
+            self.draft.observe(model_tokens, draft_ms)
         if not verify_alone:
             return
         if self.verify_curve is not None:
@@ -355,12 +363,38 @@ class Calibration:
         return 0.0
 
 
+# Lookup match lengths (tokens of context behind a lookup): bucket i from MATCH_BUCKETS[i] up.
+MATCH_BUCKETS = (1, 2, 3, 5, 9)
+# A lookup token's acceptance before any is measured: a longer match, a likelier copy.
+LOOKUP_PRIORS = (0.15, 0.3, 0.45, 0.6, 0.75)
+
+
+def match_bucket(match_length: int) -> int:
+    return max(i for i, low in enumerate(MATCH_BUCKETS) if match_length >= low or i == 0)
+
+
+def lookup_acceptances() -> list[Acceptance]:
+    return [Acceptance(alpha=prior, count=5.0) for prior in LOOKUP_PRIORS]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A round's draft: `ngram` lookup tokens first, then `model` tokens drafted after them."""
+    ngram: int = 0
+    model: int = 0
+
+    @property
+    def drafted(self) -> int:
+        return self.ngram + self.model
+
+
 @dataclass
 class ControllerState:
-    acceptance: Acceptance = field(default_factory=Acceptance)
+    acceptance: Acceptance = field(default_factory=Acceptance)   # the model's drafts
     cost: CostModel = field(default_factory=CostModel)
     calibration: Calibration = field(default_factory=Calibration)
     rounds: int = 0
+    lookup: list[Acceptance] = field(default_factory=lookup_acceptances)  # [match bucket] lookup drafts
 
 
 class GammaController:
@@ -375,10 +409,16 @@ class GammaController:
         self.hysteresis, self.probe_gamma, self.warmup_rounds = hysteresis, probe_gamma, warmup_rounds
         self.aging = aging
         self.max_confidence = max_confidence  # the early stop never asks for more than this
+        self.model = True                      # a draft model is there to draft with
         self.gamma = min(initial_gamma, gamma_max) if self.state.rounds < warmup_rounds else self.best()
         self.probe_every = self.base_probe_every = probe_every
         self.rounds_at_zero = 0
         self.probing = False
+        self.lookup_skips = [0] * len(MATCH_BUCKETS)     # lookups not taken since one was, per bucket
+
+    def without_model(self) -> None:
+        """The request goes on with free drafts alone: the model's γ is 0 for good."""
+        self.model, self.gamma, self.probing = False, 0, False
 
     def calls(self) -> float:
         return self.load.calls if self.load is not None else 1.0
@@ -390,7 +430,45 @@ class GammaController:
         return self.state.acceptance.expected_tokens(gamma) / max(round_ms, 1e-6) * 1e3
 
     def best(self) -> int:
-        return max(range(self.gamma_max + 1), key=self.goodput)
+        return max(range(self.gamma_max + 1 if self.model else 1), key=self.goodput)
+
+    def plan(self, lookup: Lookup, limit: int) -> Plan:
+        """This round's draft: the model's γ as `next_gamma` chooses it, unless
+        taking k of the lookup's tokens (then j model tokens after them) is
+        expected to give more tokens per second. A lookup token costs its verify
+        row only; it is accepted as its match length's bucket says."""
+        gamma = self.next_gamma(limit)
+        k_max = min(len(lookup.token_ids), limit, self.gamma_max)
+        if k_max <= 0:
+            return Plan(0, gamma)
+        bucket = match_bucket(lookup.match_length)
+        cost, calls = self.state.cost, self.calls()
+        free = _cumulative(self.state.lookup[bucket].by_positions(k_max))               # [k_max + 1] P(first i kept)
+        model = _cumulative(self.state.acceptance.by_positions(self.gamma_max if self.model else 0))
+        model_tokens = [sum(model[1 : j + 1]) for j in range(len(model))]               # E[model tokens kept | j]
+        verify = [cost.verify_ms(rows, calls) for rows in range(self.gamma_max + 1)]
+        draft = [cost.draft_ms(j, calls) for j in range(len(model))]
+
+        def goodput(k: int, j: int) -> float:
+            tokens = 1 + sum(free[1 : k + 1]) + free[k] * model_tokens[j]
+            return tokens / max(draft[j] + verify[k + j], 1e-6)
+        best, value = Plan(0, gamma), goodput(0, min(gamma, len(model) - 1))
+        for k in range(1, k_max + 1):
+            for j in range(min(len(model) - 1, self.gamma_max - k, limit - k) + 1):
+                if goodput(k, j) > value:
+                    best, value = Plan(k, j), goodput(k, j)
+        if best.ngram:
+            self.lookup_skips[bucket] = 0
+        else:
+            # Not expected to pay: try a short one now and then, or a bucket
+            # judged bad once would never be judged again.
+            self.lookup_skips[bucket] += 1
+            if self.lookup_skips[bucket] >= 2 * self.base_probe_every:
+                self.lookup_skips[bucket] = 0
+                best = Plan(min(k_max, self.probe_gamma), 0)
+        if best.model == 0 and self.probing:
+            self.probing = False  # the model's probe waits for a round without a better lookup
+        return best
 
     def prefill_pays(self, prompt_tokens: int, new_tokens: int) -> bool:
         """Whether drafting this request is expected to save more than the
@@ -442,13 +520,15 @@ class GammaController:
         state = self.state
         state.rounds += 1
         # What was drafted, not what was asked for: a confidence stop may draft fewer.
-        drafted, accepted = round.drafted, round.accepted
-        state.cost.observe(drafted, round.draft_ms, round.verify_ms / max(round.steps, 1),
+        state.cost.observe(round.drafted, round.draft_ms, round.verify_ms / max(round.steps, 1),
                            draft_alone=round.draft_batch_calls <= LOAD_ALONE,
-                           verify_alone=round.verify_batch_calls <= LOAD_ALONE)
-        if drafted > 0:
-            state.acceptance.observe(drafted, accepted)
-            state.calibration.observe(round.confidences, accepted)
+                           verify_alone=round.verify_batch_calls <= LOAD_ALONE, model_tokens=round.model_drafted)
+        if round.ngram_drafted:
+            state.lookup[match_bucket(round.ngram_match)].observe(round.ngram_drafted, round.ngram_accepted)
+        # The model's drafts were judged only if every lookup token before them was kept.
+        if round.model_drafted > 0 and round.accepted >= round.ngram_drafted:
+            state.acceptance.observe(round.model_drafted, round.model_accepted)
+            state.calibration.observe(round.confidences, round.model_accepted)
         if state.rounds < self.warmup_rounds:
             return
         best = self.best()
@@ -468,6 +548,14 @@ class GammaController:
             self.rounds_at_zero = 0
 
 
+def _cumulative(acceptance: Sequence[float]) -> list[float]:
+    """[n] conditional acceptance -> [n + 1] P(the first i are all kept)."""
+    out = [1.0]
+    for a in acceptance:
+        out.append(out[-1] * min(a, 0.999))
+    return out
+
+
 def regime(sampling: SamplingConfig) -> str:
     """Acceptance depends on the sampling config: greedy, or a temperature bucket."""
     if sampling.greedy:
@@ -485,6 +573,7 @@ class GammaPriors:
         self.lock = threading.Lock()
         self.acceptance: dict[str, Acceptance] = {}
         self.calibration: dict[str, Calibration] = {}
+        self.lookup: dict[str, list[Acceptance]] = {}
         self.cost = cost or CostModel()
         self.rounds = 0
 
@@ -493,7 +582,8 @@ class GammaPriors:
             key = regime(sampling)
             acceptance = copy.deepcopy(self.acceptance.get(key, Acceptance())).capped(self.prior_weight)
             calibration = copy.deepcopy(self.calibration.get(key, Calibration()))
-            return ControllerState(acceptance, copy.deepcopy(self.cost), calibration, self.rounds)
+            lookup = [a.capped(self.prior_weight) for a in copy.deepcopy(self.lookup.get(key, lookup_acceptances()))]
+            return ControllerState(acceptance, copy.deepcopy(self.cost), calibration, self.rounds, lookup)
 
     def finish(self, sampling: SamplingConfig, state: ControllerState) -> None:
         with self.lock:
@@ -501,18 +591,25 @@ class GammaPriors:
             if key not in self.acceptance:
                 self.acceptance[key] = copy.deepcopy(state.acceptance)
             else:
-                prior, new = self.acceptance[key], state.acceptance
-                prior.alpha += self.blend * (new.alpha - prior.alpha)
-                prior.count = max(prior.count, new.count)
-                _blend_into(prior.by_position, prior.count_by_position, new.by_position, new.count_by_position,
-                            self.blend)
+                _blend_acceptance(self.acceptance[key], state.acceptance, self.blend)
             if key not in self.calibration:
                 self.calibration[key] = copy.deepcopy(state.calibration)
             else:
                 prior, new = self.calibration[key], state.calibration
                 _blend_into(prior.rates, prior.counts, new.rates, new.counts, self.blend)
+            if key not in self.lookup:
+                self.lookup[key] = copy.deepcopy(state.lookup)
+            else:
+                for prior, new in zip(self.lookup[key], state.lookup):
+                    _blend_acceptance(prior, new, self.blend)
             self.cost = copy.deepcopy(state.cost)  # timings are shared by every regime
             self.rounds = max(self.rounds, state.rounds)
+
+
+def _blend_acceptance(prior: Acceptance, new: Acceptance, blend: float) -> None:
+    prior.alpha += blend * (new.alpha - prior.alpha)
+    prior.count = max(prior.count, new.count)
+    _blend_into(prior.by_position, prior.count_by_position, new.by_position, new.count_by_position, blend)
 
 
 def _blend_into(values: list[float], counts: list[float], new_values: list[float], new_counts: list[float],

@@ -44,6 +44,13 @@ class Metrics:
                                               "waited for its forwards to start", registry=r, buckets=waits)
         self.draft_queue_seconds = Histogram("specdec_draft_queue_seconds", "Time a Propose call waited for "
                                              "its forwards to start", registry=r, buckets=waits)
+        self.source_draft_tokens = Counter("specdec_source_draft_tokens", "Draft tokens proposed, by source "
+                                           "(model: the draft model; ngram: lookups, free)", ["source"], registry=r)
+        self.source_accepted_tokens = Counter("specdec_source_accepted_tokens", "Draft tokens accepted, by source",
+                                              ["source"], registry=r)
+        self.draft_bytes = Histogram("specdec_draft_bytes", "Draft data sent to the verifier per round that drafted "
+                                     "(token ids and probabilities)", registry=r,
+                                     buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20, 4 << 20))
         self.tokens_per_second = Histogram("specdec_request_tokens_per_second", "Output tokens/s per request",
                                            registry=r, buckets=(.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 50, 100, 200))
 
@@ -60,6 +67,12 @@ class Metrics:
             self.drafts.inc()
             self.draft_tokens.inc(round.drafted)
             self.accepted_tokens.inc(round.accepted)
+            self.draft_bytes.observe(round.draft_bytes)
+            for source, drafted, accepted in (("ngram", round.ngram_drafted, round.ngram_accepted),
+                                              ("model", round.model_drafted, round.model_accepted)):
+                if drafted:
+                    self.source_draft_tokens.labels(source).inc(drafted)
+                    self.source_accepted_tokens.labels(source).inc(accepted)
             for position, accepted in enumerate(round.accepted_by_position):
                 self.drafted_at.labels(str(position)).inc()
                 if accepted:

@@ -12,6 +12,8 @@ from specdec.wire import sampling_from_proto
 from coordinator.engine import GenerationRequest, Stats, Update
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+PROPOSER_KINDS = {coordinator_pb2.PROPOSER_KIND_UNSPECIFIED: "", coordinator_pb2.PROPOSER_KIND_HYBRID: "hybrid",
+                  coordinator_pb2.PROPOSER_KIND_MODEL: "model", coordinator_pb2.PROPOSER_KIND_NGRAM: "ngram"}
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
@@ -124,10 +126,12 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
         if gamma > limits.max_propose_tokens:
             raise InvalidArgument(f"speculation.gamma={gamma} is over the proposer's limit of "
                                   f"{limits.max_propose_tokens}")
+    if request.speculation.proposer not in PROPOSER_KINDS:
+        raise InvalidArgument(f"speculation.proposer={request.speculation.proposer} is not a ProposerKind")
     confidence_stop = adaptive and (not request.speculation.HasField("confidence_stop")
                                     or request.speculation.confidence_stop)
     return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop, adaptive, request.ignore_eos,
-                             confidence_stop)
+                             confidence_stop, PROPOSER_KINDS[request.speculation.proposer])
 
 
 def stats_to_proto(stats: Stats) -> coordinator_pb2.GenerationStats:
@@ -139,7 +143,11 @@ def stats_to_proto(stats: Stats) -> coordinator_pb2.GenerationStats:
         tokens_per_second=stats.tokens_per_second,
         prompt_tokens=stats.prompt_tokens, gamma=stats.gamma, fallback=stats.fallback,
         first_token_ms=stats.first_token_ms, verify_batch_rows=stats.verify_batch_rows,
-        verify_queue_ms=stats.verify_queue_ms, draft_queue_ms=stats.draft_queue_ms)
+        verify_queue_ms=stats.verify_queue_ms, draft_queue_ms=stats.draft_queue_ms,
+        draft_sources=[coordinator_pb2.DraftSourceStats(
+            source=name, rounds=c.rounds, draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens,
+            acceptance_rate=c.acceptance_rate) for name, c in sorted(stats.sources.items())],
+        draft_bytes=stats.draft_bytes, draft_bytes_per_round=stats.draft_bytes_per_round)
 
 
 def update_to_proto(update: Update, with_stats: bool) -> coordinator_pb2.GenerateResponse:

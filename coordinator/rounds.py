@@ -25,6 +25,28 @@ class RoundRecord:
     verify_batch_rows: float = 0.0
     verify_batch_calls: float = 0.0
     verify_queue_ms: float = 0.0
+    # Where the drafts came from: the first `ngram_drafted` from a lookup (free),
+    # whose match was `ngram_match` tokens long; the rest from the draft model.
+    ngram_drafted: int = 0
+    ngram_match: int = 0
+    draft_bytes: int = 0        # draft data sent to the verifier: token ids and probabilities
+
+    @property
+    def ngram_accepted(self) -> int:
+        return min(self.accepted, self.ngram_drafted)
+
+    @property
+    def model_drafted(self) -> int:
+        return self.drafted - self.ngram_drafted
+
+    @property
+    def model_accepted(self) -> int:
+        return max(0, self.accepted - self.ngram_drafted)
+
+    @property
+    def source(self) -> str:
+        """What drafted this round: "ngram", "model", "ngram+model", or "" (nothing)."""
+        return "+".join(name for name, n in (("ngram", self.ngram_drafted), ("model", self.model_drafted)) if n)
 
     @property
     def accepted_by_position(self) -> list[bool]:
@@ -46,4 +68,8 @@ class RoundRecord:
                 "specdec.draft.queue_ms": self.draft_queue_ms,
                 "specdec.verify.batch_rows": self.verify_batch_rows,
                 "specdec.verify.batch_calls": self.verify_batch_calls,
-                "specdec.verify.queue_ms": self.verify_queue_ms}
+                "specdec.verify.queue_ms": self.verify_queue_ms,
+                "specdec.draft.source": self.source, "specdec.draft_bytes": self.draft_bytes,
+                "specdec.ngram.draft_tokens": self.ngram_drafted, "specdec.ngram.accepted_tokens": self.ngram_accepted,
+                "specdec.ngram.match_length": self.ngram_match,
+                "specdec.model.draft_tokens": self.model_drafted, "specdec.model.accepted_tokens": self.model_accepted}

@@ -13,17 +13,19 @@ from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
 from specdec import telemetry
-from specdec.errors import ResourceExhausted, Unavailable, unavailable_message
+from specdec.errors import FailedPrecondition, ResourceExhausted, Unavailable, unavailable_message
+from specdec.hybrid import HybridProposer
 from specdec.model_service import MAX_PROPOSE_TOKENS
-from specdec.ngram import NgramProposer
+from specdec.ngram import RecentOutputs
 from specdec.proposer import Proposer, ProposerUnavailable
+from specdec.wire import Truncation
 from specdec.security import ClientTls, ServerTls
 from specdec.serving import MAX_PUBLIC_MESSAGE_BYTES, RunningServer, start_server
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 from coordinator.backends import Backends, WatchSettings
 from coordinator.clients import RemoteDraftProposer
-from coordinator.engine import SpeculativeEngine
+from coordinator.engine import GenerationRequest, SpeculativeEngine
 from coordinator.gamma import CostModel
 from coordinator.metrics import Metrics
 from coordinator.requests import (Limits, max_token_chars, request_attributes, response_attributes, to_domain,
@@ -38,11 +40,18 @@ DRAFTER_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEA
                                 grpc.StatusCode.FAILED_PRECONDITION})
 
 
+HYBRID, MODEL, NGRAM = PROPOSERS = ("hybrid", "model", "ngram")
+DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P = 256, 0.99
+
+
 @dataclass
 class CoordinatorConfig:
     drafter: str | None             # address; None = no draft model
     verifier: str
-    proposer: str = "drafter"       # "drafter" (the draft model service) or "ngram" (prompt lookup)
+    # Who drafts, unless a request says: "hybrid" (n-gram lookups, free, and the
+    # draft model where they find nothing or beyond them), "model" (the drafter
+    # service alone) or "ngram" (the lookups alone: no drafter needed).
+    proposer: str = "hybrid"
     gamma: int | None = None         # None: adaptive per request; N: fixed
     gamma_max: int = 0               # adaptive γ ranges over [0, gamma_max]; 0: from the verifier's cost curve
     max_new_tokens: int = 128
@@ -54,12 +63,19 @@ class CoordinatorConfig:
     auth_token: str | None = None    # bearer token required on Generate calls
     backend_tls: ClientTls | None = None  # to reach a drafter/verifier that serves TLS
     log_prompts: bool = False        # prompt text in the logs (off: only counts and timings)
-    drafter_timeout_s: float = 30.0  # a drafter call slower than this: the request goes on target-only
+    drafter_timeout_s: float = 30.0  # a drafter call slower than this: the request goes on without it
     watch: WatchSettings = WatchSettings()
+    # The draft distribution's support sent when sampling (specdec.wire.Truncation;
+    # the default from `scripts/draft_truncation.py`: acceptance against bytes).
+    draft_truncation: Truncation = Truncation(top_k=DEFAULT_DRAFT_TOP_K, top_p=DEFAULT_DRAFT_TOP_P)
+    lookup_history_tokens: int = 16384  # recent outputs searched by every request's lookups (0: none)
 
     def __post_init__(self) -> None:
-        if self.proposer not in ("drafter", "ngram"):
-            raise ValueError(f"unknown proposer {self.proposer!r}; expected 'drafter' or 'ngram'")
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"unknown proposer {self.proposer!r}; expected one of {', '.join(PROPOSERS)}")
+        self.draft_truncation.validate()
+        if self.lookup_history_tokens < 0:
+            raise ValueError(f"lookup_history_tokens must be >= 0, got {self.lookup_history_tokens}")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
 
@@ -79,7 +95,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.backends = backends
         self.config = config
         target, draft = backends.target_info, backends.draft_info
-        max_propose = MAX_PROPOSE_TOKENS if config.proposer == "ngram" else (draft.max_propose_tokens if draft else 0)
+        max_propose = draft.max_propose_tokens if draft else 0 if config.proposer == MODEL else MAX_PROPOSE_TOKENS
         self.limits = Limits(
             vocab_size=target.vocab_size, max_context=target.max_context,
             default_max_new_tokens=config.max_new_tokens, default_gamma=config.gamma or None,
@@ -90,6 +106,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                      draft.prefill_ms_per_token if draft else 0.0)
         self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids),
                                         self.metrics, on_proposer_failure=self._proposer_failed, cost=cost)
+        self.recent = RecentOutputs(config.lookup_history_tokens)  # searched by every request's lookups
         self._in_flight = 0  # Generate calls admitted and not yet finished
         self._idle = threading.Condition()
         for name, watch in (("verifier", backends.verifier_watch), ("drafter", backends.drafter_watch)):
@@ -98,17 +115,29 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 gauge.set(1)
                 watch.on_change(lambda up, gauge=gauge: gauge.set(int(up)))
 
-    def _proposer(self, timeout) -> tuple[Proposer | None, str]:
-        """The request's proposer, or None and why not."""
-        if self.config.proposer == "ngram":
-            return NgramProposer(self.limits.vocab_size), ""
+    def _proposer(self, domain: GenerationRequest, timeout) -> tuple[Proposer | None, str]:
+        """The request's proposer (as it asks, or the server's), or None and why not."""
+        kind = domain.proposer or self.config.proposer
+        # A seeded sample must not depend on what other requests wrote: its drafts
+        # (and so its draws) come from its own tokens only.
+        recent = None if domain.sampling.seed is not None and not domain.sampling.greedy else self.recent
+        lookups = HybridProposer(None, recent)
+        if kind == NGRAM:
+            return lookups, ""
+        if self.backends.drafter is None:
+            if kind == MODEL:
+                raise FailedPrecondition("this coordinator runs without a drafter (--proposer ngram); ask for "
+                                         "the n-gram or hybrid proposer, or leave it unset")
+            return lookups, ""
         if not self.backends.drafter_up:
-            # Decode target-only until the watcher finds the drafter again.
+            # Go on without the model until the watcher finds the drafter again.
             self.metrics.fallbacks.inc()
-            return None, ("the drafter was down when this request started; it went target-only (same output, "
-                          "slower)")
-        return RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint, timeout,
-                                   self.config.drafter_timeout_s), ""
+            why = "the drafter was down when this request started; "
+            return (None, why + "it went target-only (same output, slower)") if kind == MODEL else \
+                (lookups, why + "it drafted with n-gram lookups alone (same output)")
+        model = RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint, timeout,
+                                    self.config.drafter_timeout_s, self.config.draft_truncation)
+        return (model if kind == MODEL else HybridProposer(model, recent)), ""
 
     def _proposer_failed(self, exc: ProposerUnavailable) -> None:
         # Stop using it until the watcher has checked it again.
@@ -159,7 +188,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     return None
                 return remaining
             request_id = uuid.uuid4().hex
-            proposer, fallback = self._proposer(timeout) if domain.gamma_max > 0 else (None, "")
+            proposer, fallback = self._proposer(domain, timeout) if domain.gamma_max > 0 else (None, "")
             last = None
             for last in self.engine.generate(domain, proposer, timeout, lambda: not context.is_active(), request_id,
                                              fallback):
@@ -201,7 +230,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
 def serve(config: CoordinatorConfig, host: str = "127.0.0.1", port: int = 0) -> tuple[RunningServer, Backends]:
     """Connect and check the backends (raises TokenizerMismatch), then serve."""
-    backends = Backends(config.verifier, config.drafter if config.proposer == "drafter" else None,
+    backends = Backends(config.verifier, config.drafter if config.proposer != NGRAM else None,
                         config.connect_timeout_s, config.backend_tls, config.watch)
     servicer = CoordinatorServicer(backends, config)
     running = start_server(lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),

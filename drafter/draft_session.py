@@ -1,7 +1,7 @@
 """One session of the draft model: apply the last round's commit, then draft."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -11,12 +11,12 @@ from specdec.kv_pool import KVPool
 from specdec.models import LoadedModel
 from specdec.proposer import Commit
 from specdec.sampling import SamplingConfig, make_generator, sample_from, scores_to_probs, transform_logits
-from specdec.wire import round_probs_for_wire
+from specdec.wire import DraftProbs, Truncation, dense_for_wire, round_probs_for_wire, sparse_probs, truncate_for_wire
 
 
 class Draft(NamedTuple):
-    token_ids: list[int]                # [n]
-    draft_probs: torch.Tensor | None    # [n, vocab] when sampling; None when greedy
+    token_ids: list[int]                # [n] drafted by the model (after any prefix)
+    draft_probs: list[DraftProbs]       # [n] as sent, when sampling: what each token was drawn from; [] when greedy
     confidences: list[float]            # [n] the probability the draft gave each of its tokens
 
 
@@ -72,24 +72,29 @@ class DraftSession:
                 f"drafting {num_tokens} tokens at position {length} exceeds the draft model's "
                 f"context window ({self.loaded.max_context})")
 
-    def propose(self, num_tokens: int, sampling: SamplingConfig, min_confidence: float = 0.0) -> Draft:
-        return drive(self.propose_steps(num_tokens, sampling, min_confidence))
+    def propose(self, num_tokens: int, sampling: SamplingConfig, min_confidence: float = 0.0,
+                prefix: Sequence[int] = (), truncation: Truncation = Truncation()) -> Draft:
+        return drive(self.propose_steps(num_tokens, sampling, min_confidence, prefix, truncation))
 
-    def propose_steps(self, num_tokens: int, sampling: SamplingConfig,
-                      min_confidence: float = 0.0) -> Steps[Draft]:
-        """Draft up to `num_tokens` tokens, one Forward step each.
+    def propose_steps(self, num_tokens: int, sampling: SamplingConfig, min_confidence: float = 0.0,
+                      prefix: Sequence[int] = (), truncation: Truncation = Truncation()) -> Steps[Draft]:
+        """Draft up to `num_tokens` tokens after `prefix`, one Forward step each.
 
+        `prefix`: tokens another source proposed for this round (an n-gram
+        lookup); they are the round's first drafts, fed with the first step.
         The probabilities returned are exactly those each token was sampled from
-        (fp16-rounded, see specdec.wire), as the rejection sampler requires.
+        (fp16-rounded, see specdec.wire; truncated to the support `truncation`
+        keeps), as the rejection sampler requires.
         Drafting stops after a token whose probability is below `min_confidence`:
         where the draft is unsure, the tokens after it are likely rejected. The
         rule only shortens the draft, so the verifier's output is unchanged."""
-        self.check_room(len(self.seq), num_tokens)
+        self.check_room(len(self.seq), len(prefix) + num_tokens)
         if self.generator is None and not sampling.greedy:
             self.generator = make_generator(sampling, "drafter", self.loaded.device)
         self.round_base = len(self.seq)
+        self.seq.append(prefix)
         draft_ids: list[int] = []
-        draft_probs: list[torch.Tensor] = []
+        draft_probs: list[DraftProbs] = []
         confidences: list[float] = []
         for i in range(num_tokens):
             logits = yield from self.seq.step(draft_ids[-1:] if i else [], keep_last=1)  # [1, model_vocab]
@@ -99,16 +104,23 @@ class DraftSession:
                 # Greedy has no sampling distribution; the model's own softmax says how sure it is.
                 row = scores[0].float()
                 confidence = float(torch.exp(row[draft_ids[-1]] - torch.logsumexp(row, dim=-1)))
-            else:
+            elif truncation.off:
                 probs = scores_to_probs(scores)                                            # [1, vocab]
-                draft_probs.append(probs[0])
-                sent = round_probs_for_wire(probs)
-                draft_ids.append(sample_from(sent[0], self.generator))
-                confidence = float(sent[0, draft_ids[-1]])
+                draft_probs.append(dense_for_wire(probs[0]))
+                sent = round_probs_for_wire(probs)[0]
+                draft_ids.append(sample_from(sent, self.generator))
+                confidence = float(sent[draft_ids[-1]])
+            else:
+                entry = truncate_for_wire(scores_to_probs(scores)[0], truncation)
+                draft_probs.append(entry)
+                sent = sparse_probs(entry)                                                 # [m]
+                index = sample_from(sent, self.generator)
+                draft_ids.append(entry.token_ids[index])
+                confidence = float(sent[index])
             confidences.append(confidence)
             if confidence < min_confidence:
                 break
         # The last draft is not fed yet: next round feeds it only if it was accepted.
         self.seq.append(draft_ids[-1:])
-        self.round_drafted = len(draft_ids)
-        return Draft(draft_ids, torch.stack(draft_probs) if draft_probs else None, confidences)
+        self.round_drafted = len(prefix) + len(draft_ids)
+        return Draft(draft_ids, draft_probs, confidences)

@@ -9,7 +9,7 @@ from specdec.models import LoadedModel
 from specdec.proposer import Commit
 from specdec.serving import RunningServer
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
-from specdec.wire import encode_probs, sampling_from_proto
+from specdec.wire import Truncation, draft_probs_to_proto, sampling_from_proto
 
 from drafter.draft_session import DraftSession
 
@@ -31,16 +31,24 @@ class DrafterServicer(ModelServiceBase[DraftSession], drafter_pb2_grpc.DrafterSe
         if commit is not None:
             validate_token_ids(commit.target_token_ids, self.loaded.vocab_size, "commit.target_token_ids")
 
+        prefix = list(request.draft_prefix_ids)
+        validate_token_ids(prefix, self.loaded.vocab_size, "draft_prefix_ids")
+        if len(prefix) + request.num_tokens > MAX_PROPOSE_TOKENS:
+            raise InvalidArgument(f"{len(prefix)} prefix + {request.num_tokens} tokens is over the limit of "
+                                  f"{MAX_PROPOSE_TOKENS} drafted tokens a round")
+        truncation = Truncation(request.truncation_top_k, request.truncation_top_p
+                                if request.HasField("truncation_top_p") else 1.0).validate()
+
         def steps(session: DraftSession):
-            session.check_room(session.length_after(commit), request.num_tokens)  # before anything changes
+            session.check_room(session.length_after(commit), len(prefix) + request.num_tokens)  # before any change
             session.commit(commit)
-            draft = yield from session.propose_steps(request.num_tokens, sampling, request.min_confidence)
-            return draft, encode_probs(draft.draft_probs) if draft.draft_probs is not None else b""
+            return (yield from session.propose_steps(request.num_tokens, sampling, request.min_confidence, prefix,
+                                                     truncation))
 
         with self.session(request.session_id) as session:
-            (draft, probs), batch = self.run_call(steps(session))
-        return drafter_pb2.ProposeResponse(draft_token_ids=draft.token_ids, draft_probs_fp16=probs,
-                                           draft_confidences=draft.confidences, batch=batch)
+            draft, batch = self.run_call(steps(session))
+        return drafter_pb2.ProposeResponse(draft_token_ids=draft.token_ids, draft_probs=draft_probs_to_proto(
+            draft.draft_probs), draft_confidences=draft.confidences, batch=batch)
 
 
 def serve(loaded: LoadedModel, **kwargs) -> RunningServer:

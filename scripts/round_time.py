@@ -69,7 +69,7 @@ def measure(args, spin: str) -> dict:
                     started = time.perf_counter()
                     verdict = verifier.Verify(verifier_pb2.VerifyRequest(
                         session_id=sid, draft_token_ids=draft.draft_token_ids,
-                        draft_probs_fp16=draft.draft_probs_fp16, sampling=sampling), timeout=60)
+                        draft_probs=draft.draft_probs, sampling=sampling), timeout=60)
                     verify_ms.append((time.perf_counter() - started) * 1e3)
                     commit = drafter_pb2.Commit(num_accepted=verdict.num_accepted,
                                                 target_token_ids=[verdict.next_token_id])

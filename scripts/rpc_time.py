@@ -58,7 +58,7 @@ class Transport:
                 draft = self.drafter.Propose(request, timeout=10)
                 verdict = self.verifier.Verify(verifier_pb2.VerifyRequest(
                     session_id=session_id, draft_token_ids=draft.draft_token_ids,
-                    draft_probs_fp16=draft.draft_probs_fp16, sampling=sampling), timeout=10)
+                    draft_probs=draft.draft_probs, sampling=sampling), timeout=10)
                 self.samples[key].append((time.perf_counter() - started) * 1e3)
                 commit = drafter_pb2.Commit(num_accepted=verdict.num_accepted,
                                             target_token_ids=[verdict.next_token_id])

@@ -1,52 +1,101 @@
-"""Prompt-lookup (n-gram) proposer: drafts by copying what followed the latest
-earlier occurrence of the current suffix. No model, no service; it plugs into
-the coordinator's loop through the same Proposer interface as the drafter."""
+"""Free drafts: n-gram lookups in the tokens a request has seen (prompt lookup
+decoding) and in recent requests' outputs (as SuffixDecoding searches its
+global suffix tree). What followed the latest earlier occurrence of the
+context's suffix is proposed as a draft; no model runs, so a draft token costs
+only its row in the verifier's forward. Text that copies from its input (rag,
+summarization, code edits) repeats long spans, and those spans come for free.
+
+The index only ever grows: it holds the accepted context, never drafts (the
+caller passes the context as it stands, and the index takes the new tail)."""
 from __future__ import annotations
 
+import threading
+from collections import deque
 from typing import Sequence
 
-import torch
+from specdec.proposer import Lookup
 
-from specdec.proposer import Commit, Proposal, Proposer
-from specdec.sampling import SamplingConfig
-from specdec.wire import encode_probs
+NGRAM_SIZES = (8, 4, 2, 1)  # tried longest first; a hit's match is then measured exactly, up to MAX_MATCH
+MAX_MATCH = 32
 
 
-class NgramProposer(Proposer):
-    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
-        self.vocab_size = vocab_size
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+class NgramIndex:
+    """Where each n-gram (n in NGRAM_SIZES) of a growing token sequence last
+    occurred: per n, a dict from the n-gram to the position right after it.
+    An n-gram is entered once a token follows it, so the sequence's own suffix
+    is never its own match."""
+
+    def __init__(self, tokens: Sequence[int] = ()):
         self.tokens: list[int] = []
-        self.round_base = 0
+        self.after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAM_SIZES}
+        self.extend(tokens)
 
-    def start(self, session_id: str, prompt_ids: Sequence[int]) -> None:
-        self.tokens = list(prompt_ids)
-        self.round_base = len(self.tokens)
+    def __len__(self) -> int:
+        return len(self.tokens)
 
-    def _lookup(self, n: int) -> list[int]:
-        for size in range(min(self.max_ngram, len(self.tokens) - 1), self.min_ngram - 1, -1):
-            suffix = self.tokens[-size:]
-            # Latest earlier occurrence wins: recent context predicts best.
-            for start in range(len(self.tokens) - size - 1, -1, -1):
-                if self.tokens[start : start + size] == suffix:
-                    return self.tokens[start + size : start + size + n]
-        return []
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            p = len(self.tokens)
+            for n in NGRAM_SIZES:
+                if n <= p:
+                    self.after[n][tuple(self.tokens[p - n : p])] = p
+            self.tokens.append(int(token))
 
-    def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None,
-                min_confidence: float = 0.0) -> Proposal:
-        if commit is not None:
-            del self.tokens[self.round_base + commit.num_accepted :]
-            self.tokens += commit.target_token_ids
-        self.round_base = len(self.tokens)
-        draft = self._lookup(num_tokens)
-        self.tokens += draft
-        if sampling.greedy or not draft:
-            return Proposal(tuple(draft))
-        # A deterministic proposal: draft_probs is one-hot, so the rejection
-        # sampler accepts token x with probability target_probs[x] — still lossless.
-        one_hot = torch.zeros(len(draft), self.vocab_size)
-        one_hot[torch.arange(len(draft)), torch.tensor(draft)] = 1.0
-        return Proposal(tuple(draft), encode_probs(one_hot))
+    def match(self, context: Sequence[int], max_tokens: int) -> Lookup:
+        """The continuation (up to `max_tokens`) of the latest occurrence of the
+        longest n-gram that ends `context`, and how many tokens of `context`
+        that occurrence matches (up to MAX_MATCH): the evidence behind it."""
+        if max_tokens <= 0:
+            return Lookup()
+        for n in NGRAM_SIZES:
+            if n > len(context):
+                continue
+            at = self.after[n].get(tuple(context[len(context) - n :]))
+            if at is None:
+                continue
+            length = n
+            while (length < MAX_MATCH and at - length - 1 >= 0 and len(context) - length - 1 >= 0
+                   and self.tokens[at - length - 1] == context[len(context) - length - 1]):
+                length += 1
+            return Lookup(tuple(self.tokens[at : at + max_tokens]), length)
+        return Lookup()
 
-    def end(self) -> None:
-        self.tokens = []
+
+class RecentOutputs:
+    """Recent requests' outputs, each indexed, searchable by any request: text a
+    service writes again and again (templates, boilerplate, agents' tool calls)
+    is drafted for free. Bounded in tokens, the oldest dropped first; 0 keeps
+    none (an operator who wants no output of one request to shape the timing of
+    another's; the output itself never depends on it)."""
+
+    def __init__(self, max_tokens: int = 16384):
+        self.max_tokens = max_tokens
+        self._outputs: deque[NgramIndex] = deque()
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
+
+    def add(self, tokens: Sequence[int]) -> None:
+        if self.max_tokens <= 0 or len(tokens) < 2:
+            return
+        index = NgramIndex(tokens[-self.max_tokens :])  # built outside the lock
+        with self._lock:
+            self._outputs.append(index)
+            self._tokens += len(index)
+            while self._tokens > self.max_tokens:
+                self._tokens -= len(self._outputs.popleft())
+
+    def match(self, context: Sequence[int], max_tokens: int) -> Lookup:
+        """The longest match over the stored outputs (the newest on ties)."""
+        with self._lock:
+            outputs = list(self._outputs)
+        best = Lookup()
+        tail = context[-MAX_MATCH - 1 :]
+        for index in reversed(outputs):
+            found = index.match(tail, max_tokens)
+            if found.match_length > best.match_length:
+                best = found
+        return best

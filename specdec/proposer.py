@@ -1,7 +1,8 @@
 """Candidate generation behind one small interface.
 
 The coordinator's loop only sees a `Proposer`: the remote drafter model is one,
-and a prompt-lookup n-gram proposer is another (specdec.ngram). The verifier
+and the hybrid (specdec.hybrid) is another: n-gram lookups (specdec.ngram),
+free, and the draft model where they find nothing or beyond them. The verifier
 never knows which produced a draft; it only needs the drafted ids and the
 distributions they were sampled from.
 """
@@ -12,12 +13,16 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from specdec.sampling import SamplingConfig
+from specdec.wire import DraftProbs
+
+MODEL, NGRAM = "model", "ngram"  # the draft sources
 
 
 class ProposerUnavailable(Exception):
     """The proposer cannot go on with this generation (its service died, lost
     the session, refused it). Drafting only ever saves time, so the loop goes on
-    with target-only decoding: the output is the same."""
+    with the proposer's free drafts (`free_only`), or target-only decoding: the
+    output is the same."""
 
     def __init__(self, reason: str, code=None):
         super().__init__(reason)
@@ -47,13 +52,26 @@ class BatchLoad:
 
 
 @dataclass(frozen=True)
+class Lookup:
+    """A free draft candidate: what followed the latest earlier occurrence of the
+    context's suffix, and how many tokens of the context that occurrence matches."""
+    token_ids: tuple[int, ...] = ()
+    match_length: int = 0
+
+
+@dataclass(frozen=True)
 class Proposal:
-    token_ids: tuple[int, ...]                 # [n]
-    # [n, vocab] float16 little-endian bytes when temperature > 0: the exact
-    # distributions the tokens were sampled from (see specdec.wire).
-    draft_probs_fp16: bytes = b""
-    confidences: tuple[float, ...] = ()        # [n] when the proposer has them
+    token_ids: tuple[int, ...]                 # [n]: the n-gram prefix, then the model's drafts
+    # [n] when temperature > 0: the exact distribution each token was sampled
+    # from, as it travels (sparse, dense, or one-hot for a lookup's; specdec.wire).
+    draft_probs: tuple[DraftProbs, ...] = ()
+    confidences: tuple[float, ...] = ()        # [n - ngram_tokens] the model's, when it drafted
     batch: BatchLoad = BatchLoad()             # a model proposer's service: its batching
+    ngram_tokens: int = 0                      # the first this many came from a lookup (free)
+
+    @property
+    def model_tokens(self) -> int:
+        return len(self.token_ids) - self.ngram_tokens
 
 
 @dataclass(frozen=True)
@@ -63,6 +81,7 @@ class Verdict:
     next_token_id: int    # the target's own token after them: recovered, or bonus when all were accepted
     bonus: bool
     batch: BatchLoad = BatchLoad()
+    draft_bytes: int = 0  # the draft data sent to the verifier: token ids and probabilities, serialized
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,9 @@ class Decoded:
 class Proposer(abc.ABC):
     """Proposes draft tokens for one generation (one session)."""
 
+    drafts_with_model = True  # propose(n > 0) runs a draft model (costs forwards)
+    looks_up = False          # `lookup` may find free drafts
+
     @abc.abstractmethod
     def start(self, session_id: str, prompt_ids: Sequence[int]) -> None: ...
 
@@ -82,12 +104,23 @@ class Proposer(abc.ABC):
         """Block until the session `start` opened is usable; raise if it is not.
         (Called before the first round, whatever γ that round gets.)"""
 
+    def lookup(self, context: Sequence[int], max_tokens: int) -> Lookup:
+        """A free draft for the round after `context` (the prompt and every token
+        decided so far), if this proposer has a free source."""
+        return Lookup()
+
+    def free_only(self) -> "Proposer | None":
+        """This proposer without its draft model (whose prefill does not pay, or
+        which failed): its free sources alone, or None if it has none."""
+        return None
+
     @abc.abstractmethod
     def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None,
-                min_confidence: float = 0.0) -> Proposal:
-        """Apply `commit` (absent on the first call), then propose up to `num_tokens`
-        tokens, stopping after one the proposer gives less than `min_confidence`
-        (a proposer without probabilities may ignore it)."""
+                min_confidence: float = 0.0, prefix: Sequence[int] = ()) -> Proposal:
+        """Apply `commit` (absent on the first call), then propose `prefix` (tokens
+        from a lookup) followed by up to `num_tokens` tokens, stopping after one
+        the proposer gives less than `min_confidence` (a proposer without
+        probabilities may ignore it)."""
 
     @abc.abstractmethod
     def end(self) -> None: ...

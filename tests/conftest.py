@@ -109,3 +109,8 @@ def served_coordinator(**config) -> Iterator[ServedCoordinator]:
     finally:
         backends.close()
         running.stop(0)
+
+
+def model_draft_tokens(stats) -> int:
+    """A response's tokens drafted by the draft model (not by n-gram lookups)."""
+    return sum(s.draft_tokens for s in stats.draft_sources if s.source == "model")

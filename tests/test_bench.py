@@ -27,7 +27,8 @@ def test_bench_quick_on_the_tiny_pair(tmp_path, capsys):
                        "--out", str(out)]) == 0
 
     report = json.loads((out / "bench.json").read_text())
-    systems = ["spec-g2", "spec-g4", "spec-g6", "spec-auto", "target-only", "hf-generate", "hf-assisted"]
+    systems = ["spec-g2", "spec-g4", "spec-g6", "spec-auto", "spec-auto-model", "target-only", "hf-generate",
+               "hf-assisted"]
     assert report["meta"]["systems"] == systems
     runs = report["runs"]
     # --quick: one question per category (the second coding question is left out), both temperatures.
@@ -37,7 +38,7 @@ def test_bench_quick_on_the_tiny_pair(tmp_path, capsys):
     assert all(0 < r["new_tokens"] <= 32 and r["seconds"] > 0 for r in runs)
 
     rows = {(r["category"], r["temperature"], r["system"]): r for r in report["summary"]}
-    for system in ("spec-g2", "spec-g4", "spec-g6", "spec-auto"):
+    for system in ("spec-g2", "spec-g4", "spec-g6", "spec-auto", "spec-auto-model"):
         greedy = rows[("all", 0.0, system)]
         assert greedy["greedy_identical"] == "2/2"          # lossless through the real services
         assert 0 < greedy["acceptance_rate"] <= 1
@@ -46,6 +47,10 @@ def test_bench_quick_on_the_tiny_pair(tmp_path, capsys):
         assert abs(shares - 1) < 0.01
         assert greedy["speedup_vs_target_only"] > 0 and greedy["speedup_vs_hf_assisted"] > 0
         assert 0 < greedy["drafted_per_round"] <= 6 and greedy["first_token_vs_target_only"] > 0
+        assert greedy["draft_bytes_per_token"] > 0 and greedy["draft_bytes_per_round"] > 0
+        assert greedy.get("model_draft_share", 0) + greedy.get("ngram_draft_share", 0) == pytest.approx(1, abs=2e-3)
+    assert "ngram_acceptance" not in rows[("all", 0.0, "spec-auto-model")]  # the model alone
+    assert rows[("all", 0.0, "spec-auto")]["speedup_vs_spec_auto_model"] > 0
     # Time to first token, for every system (in-process ones too), and ratios only against another system.
     assert all(r["first_token_ms"] > 0 for r in runs)
     assert all(0 < r["first_token_ms"] <= r["seconds"] * 1e3 for r in runs)
@@ -59,7 +64,8 @@ def test_bench_quick_on_the_tiny_pair(tmp_path, capsys):
 
     table = (out / "bench.md").read_text()
     for heading in ("## coding, T=0", "## mt_bench, T=0", "## qa, T=0.7", "## all, T=0", "## best fixed gamma",
-                    "prefill / draft / verify / overhead", "drafted / round", "first token ms (vs target-only)"):
+                    "prefill / draft / verify / overhead", "drafted / round", "first token ms (vs target-only)",
+                    "ngram: share, acceptance", "draft bytes / token", "vs spec-auto-model"):
         assert heading in table
     assert table in capsys.readouterr().out
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -74,7 +80,8 @@ def test_bench_replica_is_the_noise_floor_and_tasks_pool_mt_bench(tmp_path):
                        "--temperatures", "0", "--no-hf", "--no-target-only", "--replicate-gamma", "4",
                        "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
-    assert report["meta"]["systems"] == ["spec-g2", "spec-g4", "spec-g6", "spec-g4-replica", "spec-auto"]
+    assert report["meta"]["systems"] == ["spec-g2", "spec-g4", "spec-g6", "spec-g4-replica", "spec-auto",
+                                         "spec-auto-model"]
     runs = report["runs"]
     # --per-task 1: one question per task, but every category at least once.
     assert sorted({(r["category"], r["question_id"]) for r in runs}) == [("coding", "1"), ("qa", "3"), ("writing", "4")]

@@ -11,7 +11,7 @@ import pytest
 
 import drafter.service
 from specdec.models import load_model
-from tests.conftest import free_port
+from tests.conftest import free_port, model_draft_tokens
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", SPECDEC_TEST_TOKEN="cli-test-token")
 
@@ -159,8 +159,10 @@ def test_up_serves_the_models_on_private_sockets_and_restarts_what_dies(tmp_path
                 os.kill(old, signal.SIGKILL)
                 # Restarted at the same socket; the stack serves on, and speculates again once it is back.
                 assert wait_for(lambda: service_pid(up.pid, module) not in (None, old), 30), module
-                assert wait_for(lambda: (r := generate()) is not None and r.stats.draft_tokens > 0
+                assert wait_for(lambda: (r := generate()) is not None and model_draft_tokens(r.stats) > 0
                                 and list(r.token_ids) == reference, 60), module
+                # `up` says so once its own check sees it serving (the coordinator may see it first).
+                assert wait_for(lambda: f"specdec up: {module} is back" in (tmp_path / "stderr").read_text(), 30)
                 assert up.poll() is None
     finally:
         up.send_signal(signal.SIGTERM)

@@ -8,6 +8,7 @@ from drafter.draft_session import DraftSession
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.proposer import Commit
 from specdec.sampling import SamplingConfig
+from specdec.wire import Truncation, draft_probs_tensor
 from tests.test_kv_cache import PROMPT, full_logits
 
 GREEDY = SamplingConfig()
@@ -23,7 +24,7 @@ def greedy_continuation(loaded, tokens, n):
 def test_greedy_proposal_is_the_draft_models_greedy_continuation(tiny_draft):
     session = DraftSession(tiny_draft, PROMPT)
     ids, probs, _ = session.propose(4, GREEDY)
-    assert probs is None and ids == greedy_continuation(tiny_draft, PROMPT, 4)
+    assert probs == [] and ids == greedy_continuation(tiny_draft, PROMPT, 4)
 
 
 @pytest.mark.parametrize("accepted", [0, 2, 4])
@@ -43,8 +44,9 @@ def test_commit_rolls_back_to_the_accepted_prefix(tiny_draft, accepted):
 
 def test_sampled_proposal_returns_the_distributions_it_sampled_from(tiny_draft):
     session = DraftSession(tiny_draft, PROMPT)
-    ids, probs, _ = session.propose(3, SamplingConfig(temperature=0.8, seed=1))
-    assert probs.shape == (3, tiny_draft.vocab_size)
+    ids, entries, _ = session.propose(3, SamplingConfig(temperature=0.8, seed=1))
+    probs = draft_probs_tensor(entries, ids, tiny_draft.vocab_size)
+    assert all(len(e.probs_fp16) == 2 * tiny_draft.vocab_size and not e.token_ids for e in entries)  # dense
     assert torch.allclose(probs.sum(-1), torch.ones(3), atol=1e-4)
     assert all(probs[i, t] > 0 for i, t in enumerate(ids))
 
@@ -88,8 +90,45 @@ def test_sampled_drafting_stops_on_the_sampled_tokens_probability(tiny_draft):
     for seed in range(5):
         session = DraftSession(tiny_draft, PROMPT)
         session.generator = torch.Generator().manual_seed(seed)
-        ids, probs, _ = session.propose(6, sampling, min_confidence=0.5)
-        assert probs.shape == (len(ids), tiny_draft.vocab_size)
+        ids, entries, _ = session.propose(6, sampling, min_confidence=0.5)
+        probs = draft_probs_tensor(entries, ids, tiny_draft.vocab_size)
         below = [float(probs[i, t]) < 0.5 for i, t in enumerate(ids)]
         # Every token but the last was confident; the last was not, or the draft ran its length.
         assert not any(below[:-1]) and (below[-1] or len(ids) == 6)
+
+
+def test_truncated_proposal_samples_from_and_sends_only_the_top_k(tiny_draft):
+    sampling = SamplingConfig(temperature=1.0, seed=4)
+    session = DraftSession(tiny_draft, PROMPT)
+    ids, entries, confidences = session.propose(4, sampling, truncation=Truncation(top_k=8))
+    history = list(PROMPT)
+    for token, entry, confidence in zip(ids, entries, confidences):
+        probs = torch.softmax(full_logits(tiny_draft, history)[: tiny_draft.vocab_size].float(), dim=-1)
+        top = probs.topk(8)
+        # The model's own top 8, renormalized, fp16-rounded: and the token was drawn from them.
+        assert set(entry.token_ids) == set(top.indices.tolist()) and token in entry.token_ids
+        sent = draft_probs_tensor([entry], [token], tiny_draft.vocab_size)[0]
+        assert torch.allclose(sent[top.indices], top.values / top.values.sum(), rtol=2e-3, atol=1e-4)
+        assert confidence == pytest.approx(float(sent[token]))
+        history.append(token)
+
+
+def test_top_p_keeps_the_fewest_tokens_holding_that_mass(tiny_draft):
+    session = DraftSession(tiny_draft, PROMPT)
+    ids, entries, _ = session.propose(1, SamplingConfig(temperature=1.0, seed=2), truncation=Truncation(top_p=0.5))
+    probs = torch.softmax(full_logits(tiny_draft, PROMPT)[: tiny_draft.vocab_size].float(), dim=-1)
+    ranked = probs.sort(descending=True).values
+    needed = int((ranked.cumsum(0) < 0.5).sum()) + 1
+    assert len(entries[0].token_ids) == needed and ids[0] in entries[0].token_ids
+
+
+def test_a_prefix_is_drafted_first_and_commits_like_the_models_own_drafts(tiny_draft):
+    """Lookup tokens in front: the model drafts after them, and a commit counts
+    them as drafts (kept ones stay in the cache, rejected ones are cropped)."""
+    session = DraftSession(tiny_draft, PROMPT)
+    prefix = [7, 8]
+    ids, _, _ = session.propose(3, GREEDY, prefix=prefix)
+    assert ids == greedy_continuation(tiny_draft, PROMPT + prefix, 3) and session.round_drafted == 5
+    session.commit(Commit(1, (9,)))  # kept the first lookup token, then the target's 9
+    assert session.seq.tokens == PROMPT + [7, 9]
+    assert session.propose(2, GREEDY)[0] == greedy_continuation(tiny_draft, PROMPT + [7, 9], 2)

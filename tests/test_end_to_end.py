@@ -13,7 +13,7 @@ import verifier.service
 from specdec.models import load_model
 from specdec.sampling import SamplingConfig, scores_to_probs, transform_logits
 from specdec.v1 import common_pb2, coordinator_pb2 as pb
-from tests.conftest import coordinator_stub
+from tests.conftest import coordinator_stub, model_draft_tokens
 
 PROMPTS = [
     "Write a function that returns the sum of two numbers.",
@@ -126,13 +126,14 @@ def test_adaptive_gamma_skips_the_drafter_where_its_prefill_costs_more_than_draf
             long_prompt = pb.TokenIds(ids=[(11 * i + 5) % 500 for i in range(600)])
             request = pb.GenerateRequest(token_ids=long_prompt, max_new_tokens=4, ignore_eos=True)
             skipped = stub.Generate(request, timeout=60)
-            assert skipped.stats.draft_tokens == 0 and skipped.stats.gamma == 0 and "prefill" in skipped.stats.fallback
+            # The model drafted nothing (lookups, which need no prefill, may have).
+            assert model_draft_tokens(skipped.stats) == 0 and "prefill" in skipped.stats.fallback
             request.speculation.enabled = False
             assert list(skipped.token_ids) == list(stub.Generate(request, timeout=60).token_ids)
             # A short prompt is drafted as before (its prefill is within one target step).
             short = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 17]), max_new_tokens=30,
                                                      ignore_eos=True), timeout=60)
-            assert short.stats.draft_tokens > 0 and not short.stats.fallback
+            assert model_draft_tokens(short.stats) > 0 and not short.stats.fallback
     finally:
         for server in servers:
             server.stop(0)
@@ -236,6 +237,8 @@ def test_sampled_first_two_tokens_follow_the_target_distribution(stack, tiny_tar
     drafted = sum(r.stats.draft_tokens for r in responses)
     accepted = sum(r.stats.accepted_tokens for r in responses)
     assert 0.2 < accepted / drafted < 0.98      # both acceptance and rejection happened, often
+    # The drafter sent its top-64 support (the default truncation), not the whole vocabulary's 2 bytes an entry.
+    assert sum(r.stats.draft_bytes for r in responses) / drafted < 2 * tiny_target.vocab_size
     if clients > 1:
         assert max(r.stats.verify_batch_rows for r in responses) > 3  # verify calls did share forwards
     assert chi_square_p(first, p1, RUNS) > 1e-3
@@ -317,3 +320,31 @@ def test_the_adaptive_gamma_bound_follows_the_verifiers_cost_curve(tiny_target, 
     finally:
         d.stop(0)
         v.stop(0)
+
+
+def test_the_hybrid_proposer_drafts_from_lookups_and_the_model_and_stays_exact(stack):
+    """The default proposer: lookups (free) where the text repeats (the tiny
+    random target falls into loops of its own output), the model elsewhere;
+    greedy output is target-only's, whichever drafted, at adaptive γ (whose
+    choices follow timings) and at a fixed γ (whose do not: both sources drafted)."""
+    with coordinator_stub(drafter=stack.address(stack.drafter), verifier=stack.address(stack.verifier)) as auto:
+        sources = collections.Counter()
+        for prompt in PROMPTS[:4]:
+            request = pb.GenerateRequest(prompt=prompt, max_new_tokens=160, ignore_eos=True)
+            request.speculation.enabled = False
+            reference = auto.Generate(request, timeout=60)
+            request.speculation.enabled = True
+            assert list(auto.Generate(request, timeout=60).token_ids) == list(reference.token_ids), prompt
+            request.speculation.gamma = 4
+            response = auto.Generate(request, timeout=60)
+            assert list(response.token_ids) == list(reference.token_ids), prompt
+            for source in response.stats.draft_sources:
+                sources[source.source, "drafted"] += source.draft_tokens
+                sources[source.source, "accepted"] += source.accepted_tokens
+            assert sum(s.draft_tokens for s in response.stats.draft_sources) == response.stats.draft_tokens
+            # The model alone, asked for: no lookups.
+            request.speculation.proposer = pb.PROPOSER_KIND_MODEL
+            alone = auto.Generate(request, timeout=60)
+            assert list(alone.token_ids) == list(reference.token_ids)
+            assert {s.source for s in alone.stats.draft_sources} <= {"model"}
+        assert sources["ngram", "accepted"] > 0 and sources["model", "drafted"] > 0, sources

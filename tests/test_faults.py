@@ -64,12 +64,15 @@ def alive(models):
     yield models
 
 
-def long_request(speculate: bool = True, tokens: int = LONG) -> pb.GenerateRequest:
+def long_request(speculate: bool = True, tokens: int = LONG,
+                 proposer: int = pb.PROPOSER_KIND_MODEL) -> pb.GenerateRequest:
+    # The draft model alone by default: these are its faults (the tiny model's
+    # loops would otherwise be drafted by lookups, and the drafter rarely asked).
     return pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=tokens, ignore_eos=True,
-                              speculation=pb.Speculation(enabled=speculate, gamma=4))
+                              speculation=pb.Speculation(enabled=speculate, gamma=4, proposer=proposer))
 
 
-def test_drafter_killed_mid_request_finishes_target_only_and_exact(models):
+def test_drafter_killed_mid_request_finishes_without_it_and_exact(models):
     draft, target = models
     with served_coordinator(drafter=draft.address, verifier=target.address) as c:
         stub, backends = c.stub, c.backends
@@ -87,7 +90,11 @@ def test_drafter_killed_mid_request_finishes_target_only_and_exact(models):
         assert final.stats.draft_tokens > 0 and "drafter became unavailable" in final.stats.fallback
         assert draft.address not in final.stats.fallback and "127.0.0.1" not in final.stats.fallback
         assert wait_for(lambda: not backends.drafter_up, 10)
-        # While the drafter is down, new requests decode target-only at once, and say why.
+        # While the drafter is down, new requests go on at once with n-gram lookups
+        # alone (the hybrid proposer's), or target-only (the model alone), and say why.
+        down = stub.Generate(long_request(proposer=pb.PROPOSER_KIND_HYBRID), timeout=60)
+        assert list(down.token_ids) == reference and {s.source for s in down.stats.draft_sources} <= {"ngram"}
+        assert "the drafter was down when this request started" in down.stats.fallback
         down = stub.Generate(long_request(), timeout=60)
         assert list(down.token_ids) == reference and down.stats.draft_tokens == 0
         assert "the drafter was down when this request started" in down.stats.fallback

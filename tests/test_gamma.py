@@ -7,7 +7,9 @@ import random
 import pytest
 
 from coordinator.rounds import RoundRecord
-from coordinator.gamma import Acceptance, Calibration, EwLinearFit, GammaController, GammaPriors, regime
+from coordinator.gamma import Acceptance, Calibration, EwLinearFit, GammaController, GammaPriors, Plan, match_bucket, \
+    regime
+from specdec.proposer import Lookup
 from specdec.sampling import SamplingConfig
 
 GAMMA_MAX = 8
@@ -353,3 +355,60 @@ def test_a_round_that_shared_its_forwards_teaches_the_cost_model_nothing():
     cost.observe(1, 500.0, 900.0, draft_alone=False, verify_alone=False)   # a batch's time, not this call's
     assert cost.verify_ms(1) == before and cost.draft(1) == pytest.approx(22.0 + 1.0, rel=0.2)
     assert cost.verify_ms(1, calls=4) == pytest.approx(RowCurve([40.0, 42.0]).forward_ms(8) / 4)
+
+
+# --- free drafts: n-gram lookups priced at their verify rows only ------------
+
+def lookup_round(ngram: int, accepted: int, match: int, model: int = 0, verify_ms: float = 40.0) -> RoundRecord:
+    return RoundRecord(0, ngram + model, ngram + model, accepted, accepted == ngram + model, 0.0, verify_ms,
+                       ngram_drafted=ngram, ngram_match=match)
+
+
+def test_a_long_lookup_is_drafted_where_the_model_barely_pays():
+    controller = controller_on(MEASURED_INT4, draft_ms_per_token=22.0, alpha=0.8)
+    for _ in range(30):  # long matches copy: accepted
+        controller.observe(lookup_round(4, 4, match=12))
+    plan = controller.plan(Lookup((5, 6, 7, 8, 9), 12), limit=100)
+    assert plan.ngram >= 3 and plan.model == 0, plan
+    # Free drafts are worth more than the model's: a lookup of one match alone is not.
+    assert controller.plan(Lookup((5,), 1), limit=100).ngram == 0
+
+
+def test_where_rows_are_nearly_free_the_model_drafts_after_a_lookup_in_the_same_round():
+    controller = controller_on(BF16_CURVE, draft_ms_per_token=6.0, alpha=0.9)
+    for _ in range(30):
+        controller.observe(lookup_round(2, 2, match=6))
+    plan = controller.plan(Lookup((5, 6), 6), limit=100)
+    assert plan.ngram == 2 and plan.model > 0, plan
+
+
+def test_a_lookup_bucket_judged_bad_is_skipped_but_tried_now_and_then():
+    controller = controller_on(MEASURED_INT4, draft_ms_per_token=22.0, alpha=0.8)
+    for _ in range(40):
+        controller.observe(lookup_round(2, 0, match=1))
+    plans = [controller.plan(Lookup((5, 6, 7), 1), limit=100) for _ in range(32)]
+    taken = [p for p in plans if p.ngram]
+    assert len(taken) == 2 and all(p.ngram <= controller.probe_gamma and p.model == 0 for p in taken)
+
+
+def test_each_source_learns_only_from_the_drafts_it_made_and_the_verifier_judged():
+    controller = GammaController(GAMMA_MAX)
+    model_before = controller.state.acceptance.alpha
+    bucket = controller.state.lookup[match_bucket(6)]
+    lookup_before = bucket.alpha
+    controller.observe(lookup_round(2, 1, match=6, model=3))  # the second lookup token rejected: the model's unjudged
+    assert bucket.alpha < lookup_before and controller.state.acceptance.alpha == model_before
+    controller.observe(lookup_round(2, 2, match=6, model=3))  # both kept, then the model's first rejected
+    assert controller.state.acceptance.alpha < model_before
+    # A lookup's draft costs no draft step: the draft line learns from rounds with model tokens only.
+    fresh = GammaController(GAMMA_MAX)
+    fresh.observe(lookup_round(3, 3, match=6))
+    assert fresh.state.cost.draft.sw == 0 and fresh.state.cost.verify.sw == 1
+
+
+def test_without_a_model_only_lookups_draft():
+    controller = controller_on(BF16_CURVE, draft_ms_per_token=6.0, alpha=0.9)
+    controller.without_model()
+    assert controller.best() == 0
+    assert controller.plan(Lookup(), limit=100) == Plan(0, 0)
+    assert controller.plan(Lookup((5, 6), 9), limit=100).model == 0

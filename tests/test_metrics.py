@@ -37,6 +37,12 @@ def test_metrics_count_rounds_drafts_and_acceptance_by_position(stack):
     assert m[("specdec_draft_tokens_total", ())] == drafted
     assert m[("specdec_accepted_tokens_total", ())] == accepted
     assert m[("specdec_output_tokens_total", ())] == sum(len(r.token_ids) for r in responses)
+    by_source = {source: sum(s.draft_tokens for r in responses for s in r.stats.draft_sources if s.source == source)
+                 for source in ("ngram", "model")}
+    for source, drafted_by in by_source.items():
+        assert m.get(("specdec_source_draft_tokens_total", (("source", source),)), 0) == drafted_by
+    assert sum(by_source.values()) == drafted
+    assert m[("specdec_draft_bytes_sum", ())] == sum(r.stats.draft_bytes for r in responses) > 0
     assert m[("specdec_round_seconds_count", ())] == rounds and m[("specdec_round_seconds_sum", ())] > 0
     assert m[("specdec_gamma_count", ())] == rounds
     assert m[("specdec_accepted_length_sum", ())] == accepted + rounds

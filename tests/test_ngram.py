@@ -1,32 +1,50 @@
-"""An n-gram proposer plugs into the same loop, with no change to the verifier."""
+"""N-gram lookups: what followed the latest earlier occurrence of the context's
+suffix, in the request's own tokens and in recent outputs; and the lookups alone
+as a coordinator's proposer, lossless with no change to the verifier."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from specdec.ngram import NgramProposer
-from specdec.proposer import Commit
-from specdec.sampling import SamplingConfig
-from specdec.wire import decode_probs
+from specdec.ngram import MAX_MATCH, NgramIndex, RecentOutputs
 from tests.conftest import coordinator_stub
 from tests.test_end_to_end import PROMPTS, assert_greedy_equal, generate
 
 
-def test_proposes_what_followed_the_latest_match():
-    proposer = NgramProposer(vocab_size=50)
-    proposer.start("s", [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2])
-    assert proposer.propose(3, SamplingConfig(), None).token_ids == (3, 7, 8)
-    # The verifier kept one draft and added 4: the history follows the commit.
-    proposal = proposer.propose(2, SamplingConfig(temperature=1.0), Commit(1, (4,)))
-    assert proposer.tokens[:13] == [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3, 4]
-    probs = decode_probs(proposal.draft_probs_fp16, len(proposal.token_ids), 50)
-    assert torch.equal(probs.argmax(-1), torch.tensor(proposal.token_ids)) and torch.all(probs.max(-1).values == 1)
+def test_proposes_what_followed_the_latest_longest_match():
+    index = NgramIndex([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
+    found = index.match(index.tokens, 3)
+    # "2 3" last occurred before "7 8 5"; "1 2 3" would be longer but does not end the context.
+    assert found.token_ids == (7, 8, 5) and found.match_length == 2
+    index.extend([7])  # now "2 3 7" ends it: the earlier "3 7" continues with 8
+    found = index.match(index.tokens, 2)
+    assert found.token_ids == (8, 5) and found.match_length == 3
 
 
-def test_no_match_proposes_nothing():
-    proposer = NgramProposer(vocab_size=50)
-    proposer.start("s", [1, 2, 3])
-    assert proposer.propose(4, SamplingConfig(), None).token_ids == ()
+def test_a_context_never_matches_its_own_suffix():
+    index = NgramIndex([4, 5, 6])
+    assert index.match(index.tokens, 4).token_ids == ()
+    index.extend([4, 5])
+    assert index.match(index.tokens, 4).token_ids == (6, 4, 5)
+
+
+def test_the_match_length_is_measured_past_the_longest_ngram_up_to_a_cap():
+    span = list(range(100, 100 + MAX_MATCH + 10))
+    index = NgramIndex([*span, 1, *span[:-1]])
+    found = index.match(index.tokens, 2)
+    assert found.token_ids == (span[-1], 1) and found.match_length == MAX_MATCH
+
+
+def test_recent_outputs_are_searched_bounded_and_newest_first_on_ties():
+    recent = RecentOutputs(max_tokens=10)
+    recent.add([1, 2, 3, 4])
+    recent.add([7, 2, 3, 5])
+    assert recent.match([9, 2, 3], 1).token_ids == (5,)     # both match "2 3": the newest wins
+    assert recent.match([9, 1, 2, 3], 1).token_ids == (4,)  # the longer match wins
+    recent.add([8, 8, 8, 8])                                 # 12 tokens: the oldest output goes
+    assert recent.tokens == 8 and recent.match([9, 1, 2, 3], 1).token_ids == (5,)
+    off = RecentOutputs(max_tokens=0)
+    off.add([1, 2, 3])
+    assert off.tokens == 0 and off.match([1, 2], 1).token_ids == ()
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +57,12 @@ def test_greedy_ngram_speculation_equals_target_only(stack, ngram_stub):
     assert_greedy_equal(stack.coordinator_stub, ngram_stub, PROMPTS, gamma=4, max_new_tokens=60)
 
 
-def test_sampled_ngram_speculation_runs_and_is_seeded(ngram_stub):
+def test_sampled_ngram_speculation_is_seeded_and_sends_no_probabilities(ngram_stub):
     a = generate(ngram_stub, PROMPTS[0], speculate=True, temperature=0.7, seed=5, max_new_tokens=30)
     b = generate(ngram_stub, PROMPTS[0], speculate=True, temperature=0.7, seed=5, max_new_tokens=30)
     assert list(a.token_ids) == list(b.token_ids) and len(a.token_ids) == 30
+    sources = {s.source: s for s in a.stats.draft_sources}
+    assert set(sources) <= {"ngram"}
+    if a.stats.draft_tokens:  # one-hot proposals: ids only, a few bytes each
+        assert sources["ngram"].draft_tokens == a.stats.draft_tokens
+        assert a.stats.draft_bytes <= 8 * a.stats.draft_tokens

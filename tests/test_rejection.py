@@ -7,7 +7,9 @@ import torch
 from scipy import stats
 
 from specdec.rejection import greedy_accept, rejection_sample
-from specdec.sampling import SamplingConfig, scores_to_probs, transform_logits
+from specdec.sampling import SamplingConfig, sample_from, scores_to_probs, transform_logits
+from specdec.wire import ONE_HOT, DraftProbs, Truncation, dense_for_wire, draft_probs_tensor, sparse_probs, \
+    truncate_for_wire
 
 V = 8
 N = 10_000
@@ -163,3 +165,71 @@ def test_a_draft_cut_short_by_its_own_confidence_stays_lossless():
     assert 1 < np.mean(lengths) < 2  # both lengths occurred
     assert _chi_square_p(first, target) > ALPHA
     assert _chi_square_p(second, target) > ALPHA
+
+
+# --- proposals as they travel: truncated (sparse), one-hot (lookups), mixed ----
+
+def _sample_truncated(draft: torch.Tensor, truncation: Truncation, generator) -> tuple[int, DraftProbs]:
+    """The drafter's draw: from its distribution cut to `truncation`, as sent."""
+    entry = truncate_for_wire(draft, truncation)
+    return entry.token_ids[sample_from(sparse_probs(entry), generator)], entry
+
+
+def _first_two_tokens(target: torch.Tensor, propose, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """N rounds of a 2-token proposal (`propose(generator)` -> ids, entries) scored
+    through the verifier's own rebuild of the draft_probs; counts of the first
+    output token, and of the second where the round reached it."""
+    generator = torch.Generator().manual_seed(seed)
+    first, second = np.zeros(V), np.zeros(V)
+    for _ in range(N):
+        ids, entries = propose(generator)
+        draft_probs = draft_probs_tensor(entries, ids, V)
+        out = rejection_sample(torch.tensor(ids), draft_probs, target.expand(len(ids) + 1, V), generator)
+        first[int(out.output_token_ids[0])] += 1
+        if out.num_accepted >= 1:
+            second[int(out.output_token_ids[1])] += 1
+    return first, second
+
+
+@pytest.mark.parametrize("truncation", [Truncation(top_k=3), Truncation(top_p=0.6), Truncation(top_k=1)],
+                         ids=["top-k 3", "top-p 0.6", "top-k 1 (greedy-like)"])
+def test_truncated_proposals_are_lossless(truncation):
+    target, draft = PAIRS["close"]
+
+    def propose(generator):
+        drawn = [_sample_truncated(draft, truncation, generator) for _ in range(2)]
+        return [t for t, _ in drawn], [e for _, e in drawn]
+    first, second = _first_two_tokens(target, propose, seed=21)
+    assert _chi_square_p(first, target) > ALPHA and _chi_square_p(second, target) > ALPHA
+    assert second.sum() > 1000
+
+
+def test_proposals_mixing_a_lookup_and_the_model_in_one_round_are_lossless():
+    """A lookup's token first (one-hot: no probabilities sent), then the model's
+    truncated draft after it; or the other way round."""
+    target, draft = PAIRS["far"]
+    lookup_token = 0  # the target's favourite: accepted often, so the model's token is judged often
+
+    def lookup_then_model(generator):
+        token, entry = _sample_truncated(draft, Truncation(top_k=3), generator)
+        return [lookup_token, token], [ONE_HOT, entry]
+
+    def model_then_lookup(generator):
+        token, entry = _sample_truncated(PAIRS["close"][1], Truncation(top_p=0.7), generator)
+        return [token, 5], [entry, ONE_HOT]
+    for propose in (lookup_then_model, model_then_lookup):
+        first, second = _first_two_tokens(target, propose, seed=22)
+        assert _chi_square_p(first, target) > ALPHA and _chi_square_p(second, target) > ALPHA, propose.__name__
+        assert second.sum() > 1000
+
+
+def test_the_test_has_power_a_wrong_truncation_fails():
+    """The drafter samples from its top-2, but the verifier is told the whole
+    distribution: the output is no longer the target's, and the same test says so."""
+    target, draft = PAIRS["far"]
+
+    def lying(generator):
+        drawn = [_sample_truncated(draft, Truncation(top_k=2), generator) for _ in range(2)]
+        return [t for t, _ in drawn], [dense_for_wire(draft)] * 2
+    first, _ = _first_two_tokens(target, lying, seed=23)
+    assert _chi_square_p(first, target) < 1e-6

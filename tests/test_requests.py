@@ -70,3 +70,13 @@ def test_a_long_prompt_is_refused_from_a_prefix_when_its_length_alone_cannot_tel
     fits = "the cat sat on the mat. " * 20
     domain = to_domain(pb.GenerateRequest(prompt=fits), tokenizer, loose, speculation_available=True)
     assert list(domain.prompt_ids) == TOK.encode(fits)
+
+
+def test_the_proposer_is_the_requests_choice_or_the_servers():
+    assert to_domain(pb.GenerateRequest(prompt="hi"), TOK, LIMITS, True).proposer == ""
+    for kind, name in ((pb.PROPOSER_KIND_HYBRID, "hybrid"), (pb.PROPOSER_KIND_MODEL, "model"),
+                       (pb.PROPOSER_KIND_NGRAM, "ngram")):
+        request = pb.GenerateRequest(prompt="hi", speculation=pb.Speculation(proposer=kind))
+        assert to_domain(request, TOK, LIMITS, True).proposer == name
+    with pytest.raises(InvalidArgument, match="not a ProposerKind"):
+        to_domain(pb.GenerateRequest(prompt="hi", speculation=pb.Speculation(proposer=9)), TOK, LIMITS, True)

@@ -71,8 +71,13 @@ def test_span_tree_and_attributes(traced):
         assert ra["specdec.first_rejected_position"] == (accepted if accepted < drafted else -1)
         assert isinstance(ra["specdec.bonus"], bool) and ra["specdec.gamma"] == drafted
         children = [s for s in spans if s.parent and s.parent.span_id == r.context.span_id]
+        # Where the drafts came from: lookups first (free: no drafter call), then the model.
+        ngram, model = ra["specdec.ngram.draft_tokens"], ra["specdec.model.draft_tokens"]
+        assert ngram + model == drafted and ra["specdec.draft_bytes"] > 0
+        assert ra["specdec.draft.source"] == "+".join(n for n, k in (("ngram", ngram), ("model", model)) if k)
+        assert ra["specdec.ngram.accepted_tokens"] + ra["specdec.model.accepted_tokens"] == accepted
         # A round of γ = 0 (the last token of a request, or drafting off) verifies without proposing.
-        proposed = ("/specdec.v1.Drafter/Propose",) if ra["specdec.gamma"] else ()
+        proposed = ("/specdec.v1.Drafter/Propose",) if model else ()
         assert ra["specdec.gamma"] or r is rounds[-1]  # here, only the last can have nothing to draft
         for method in (*proposed, "/specdec.v1.Verifier/Verify"):
             (client,) = [c for c in children if c.name == method and c.kind == SpanKind.CLIENT]

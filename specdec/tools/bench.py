@@ -5,7 +5,9 @@ Systems, run interleaved (each prompt runs every system before the next prompt,
 in an order rotated per prompt, so drift in machine load is shared):
   spec-gN      speculative decoding through the services, fixed gamma N
   spec-auto    the same, gamma chosen per round by the coordinator's controller
-               (drafts stop early after a token the drafter is unsure of)
+               (drafts stop early after a token the drafter is unsure of), with
+               the default hybrid proposer: n-gram lookups (free) and the model
+  spec-auto-model  the same with the draft model alone (--no-model-only skips it)
   spec-auto-nostop  the same without that early stop (--ablate-confidence-stop)
   spec-gN-replica  (--replicate-gamma N) spec-gN once more, as a separate system:
                identical work, so its distance from spec-gN and from the best
@@ -59,6 +61,7 @@ TARGET_ONLY_BF16, AUTO_BF16 = TARGET_ONLY + BF16, AUTO + BF16
 LLAMA_CPP, LLAMA_CPP_SPEC = "llama-cpp", "llama-cpp-spec"
 LLAMA_CPP_DRAFT = 4  # tokens per round for llama-cpp-spec
 AUTO_NOSTOP = "spec-auto-nostop"
+AUTO_MODEL = "spec-auto-model"
 REPLICA = "-replica"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
@@ -91,6 +94,9 @@ class Run:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     first_token_ms: float = 0.0  # from the call until the first token was decided
+    sources: dict = field(default_factory=dict)  # per draft source: {rounds, draft_tokens, accepted_tokens}
+    draft_bytes: int = 0         # draft data sent to the verifier
+    drafting_rounds: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -149,12 +155,14 @@ class ServiceSystems:
         request.sampling.CopyFrom(common_pb2.SamplingParams(temperature=temperature, seed=seed))
         if mode == TARGET_ONLY:
             request.speculation.enabled = False
-        elif mode in (AUTO, AUTO_NOSTOP):
+        elif mode in (AUTO, AUTO_NOSTOP, AUTO_MODEL):
             # No gamma: the coordinator's default, auto. A seeded sample would be
             # served at a fixed gamma (reproducibility), so auto runs unseeded.
             request.sampling.ClearField("seed")
             if mode == AUTO_NOSTOP:
                 request.speculation.confidence_stop = False
+            if mode == AUTO_MODEL:
+                request.speculation.proposer = coordinator_pb2.PROPOSER_KIND_MODEL
         else:
             request.speculation.gamma = int(mode.removeprefix("spec-g").removesuffix(REPLICA))
         start = time.perf_counter()
@@ -165,7 +173,10 @@ class ServiceSystems:
         assert stats.prompt_tokens == len(prompt_ids), (stats.prompt_tokens, len(prompt_ids))
         return Run(system, question.question_id, question.category, temperature, len(response.token_ids), seconds,
                    list(response.token_ids), stats.rounds, stats.draft_tokens, stats.accepted_tokens,
-                   stats.prefill_ms, stats.draft_ms, stats.verify_ms, stats.first_token_ms)
+                   stats.prefill_ms, stats.draft_ms, stats.verify_ms, stats.first_token_ms,
+                   {d.source: dict(rounds=d.rounds, draft_tokens=d.draft_tokens, accepted_tokens=d.accepted_tokens)
+                    for d in stats.draft_sources}, stats.draft_bytes,
+                   round(stats.draft_bytes / stats.draft_bytes_per_round) if stats.draft_bytes_per_round else 0)
 
     def close(self) -> None:
         self.channel.close()
@@ -325,6 +336,17 @@ def summarize(runs: list[Run], systems: list[str]) -> list[dict]:
                        prefill_share=round(prefill_s / seconds, 3),
                        draft_share=round(draft_s / seconds, 3), verify_share=round(verify_s / seconds, 3),
                        overhead_share=round(1 - (prefill_s + draft_s + verify_s) / seconds, 3))
+            drafting_rounds, draft_bytes = (sum(getattr(r, k) for r in group) for k in ("drafting_rounds",
+                                                                                         "draft_bytes"))
+            row.update(draft_bytes_per_token=round(draft_bytes / drafted, 1),
+                       draft_bytes_per_round=round(draft_bytes / drafting_rounds, 1) if drafting_rounds else 0.0)
+            for source in ("ngram", "model"):
+                counts = [r.sources[source] for r in group if source in r.sources]
+                source_drafted = sum(c["draft_tokens"] for c in counts)
+                if source_drafted:
+                    row[f"{source}_draft_share"] = round(source_drafted / drafted, 3)
+                    row[f"{source}_acceptance"] = round(sum(c["accepted_tokens"] for c in counts) / source_drafted,
+                                                        4)
         if temperature == 0 and reference_of(system):
             same = [r.token_ids == reference[key].token_ids for r in group
                     if (key := (reference_of(system), r.question_id, r.temperature)) in reference]
@@ -334,7 +356,7 @@ def summarize(runs: list[Run], systems: list[str]) -> list[dict]:
     for row in rows:
         key = (row["category"], row["temperature"])
         for name, base in (("speedup_vs_target_only", TARGET_ONLY), ("speedup_vs_target_only_bf16", TARGET_ONLY_BF16),
-                           ("speedup_vs_hf_assisted", HF_ASSISTED)):
+                           ("speedup_vs_hf_assisted", HF_ASSISTED), ("speedup_vs_spec_auto_model", AUTO_MODEL)):
             if speed.get((*key, base)):
                 row[name] = round(row["tokens_per_second"] / speed[(*key, base)], 3)
     # Time to first token against target-only of the same precision (the bf16 stack's against its own).
@@ -385,26 +407,30 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['questions']} questions, {meta['max_new_tokens']} new tokens, "
              f"temperatures {meta['temperatures']}, torch threads {meta['threads']}, {meta['wall_s']:.0f} s in all. "
              "tok/s counts output tokens over client-side wall time, prefill included.", ""]
-    header = ("| system | tok/s | vs target-only | vs target-only-bf16 | vs hf-assisted | acceptance | "
-              "drafted / round | mean acc. len | first token ms (vs target-only) | "
+    header = ("| system | tok/s | vs target-only | vs target-only-bf16 | vs hf-assisted | vs spec-auto-model | "
+              "acceptance | drafted / round | mean acc. len | ngram: share, acceptance | model acceptance | "
+              "draft bytes / token | first token ms (vs target-only) | "
               "prefill / draft / verify / overhead | greedy identical |")
     for category in dict.fromkeys(r["category"] for r in rows):
         for temperature in dict.fromkeys(r["temperature"] for r in rows if r["category"] == category):
-            lines += [f"## {category}, T={temperature:g}", "", header, "|" + "---|" * 11]
+            lines += [f"## {category}, T={temperature:g}", "", header, "|" + "---|" * 15]
             for r in rows:
                 if r["category"] != category or r["temperature"] != temperature:
                     continue
                 split = " / ".join(f"{r[k + '_share']:.0%}" for k in ("prefill", "draft", "verify", "overhead")) \
                     if "draft_share" in r else ""
                 speedups = [f"{r[k]:.2f}x" if k in r else "" for k in (
-                    "speedup_vs_target_only", "speedup_vs_target_only_bf16", "speedup_vs_hf_assisted")]
+                    "speedup_vs_target_only", "speedup_vs_target_only_bf16", "speedup_vs_hf_assisted",
+                    "speedup_vs_spec_auto_model")]
+                ngram = f"{r['ngram_draft_share']:.0%}, {r['ngram_acceptance']:.2f}" if "ngram_acceptance" in r else ""
                 first = f"{r['first_token_ms']:.0f}" if "first_token_ms" in r else ""
                 if "first_token_vs_target_only" in r:
                     first += f" ({r['first_token_vs_target_only']:.2f}x)"
                 lines.append(
                     f"| {r['system']} | {r['tokens_per_second']:.2f} | {' | '.join(speedups)} | "
                     f"{r.get('acceptance_rate', '')} | {r.get('drafted_per_round', '')} | "
-                    f"{r.get('mean_accepted_length', '')} | {first} | {split} | {r.get('greedy_identical', '')} |")
+                    f"{r.get('mean_accepted_length', '')} | {ngram} | {r.get('model_acceptance', '')} | "
+                    f"{r.get('draft_bytes_per_token', '')} | {first} | {split} | {r.get('greedy_identical', '')} |")
             lines.append("")
     picks, keys = meta["best_gamma"], meta["temperature_keys"]
     replica = any("replica_vs_best" in pick for temps in picks.values() for pick in temps.values())
@@ -470,6 +496,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--no-hf", action="store_true", help="skip the in-process transformers baselines")
     p.add_argument("--no-target-only", action="store_true", help="skip target-only (no speedups against it)")
+    p.add_argument("--no-model-only", action="store_true",
+                   help="skip spec-auto-model (auto γ, the draft model alone: no n-gram lookups)")
     p.add_argument("--no-bf16", action="store_true",
                    help="skip the second stack (bf16 target)")
     p.add_argument("--llama-cpp", action="store_true",
@@ -502,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     questions = load_questions(args.questions, categories, args.limit, args.per_task, args.skip)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     systems = [f"spec-g{int(g)}" for g in args.gammas.split(",") if g] + [AUTO] + (
-        [] if args.no_target_only else [TARGET_ONLY])
+        [] if args.no_model_only else [AUTO_MODEL]) + ([] if args.no_target_only else [TARGET_ONLY])
     if not args.no_bf16 and pair.target_quantize != "none":
         systems += [AUTO_BF16, TARGET_ONLY_BF16]
     if args.llama_cpp:

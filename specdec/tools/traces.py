@@ -1,10 +1,12 @@
 """`specdec traces PATH`: read OTLP-JSON lines written with --trace-file and show,
 per request, where acceptance and time went.
 
-Per round: γ, drafted, accepted, draft ms and verify ms (the coordinator's
-client spans of Propose and Verify) and RPC ms (client minus server span time
-of both calls: network, serialization and queueing). Per request: acceptance
-by draft position, the split of the time, and tokens/s.
+Per round: γ, the draft's source (ngram: a lookup, free; model: the draft
+model; ngram+model: both, in that order), drafted, accepted, draft bytes sent,
+draft ms and verify ms (the coordinator's client spans of Propose and Verify)
+and RPC ms (client minus server span time of both calls: network,
+serialization and queueing). Per request: acceptance by draft position and per
+source, the split of the time, and tokens/s.
 """
 from __future__ import annotations
 
@@ -86,6 +88,10 @@ class RoundRow:
     draft_ms: float
     verify_ms: float
     rpc_ms: float
+    source: str = ""
+    ngram_drafted: int = 0
+    ngram_accepted: int = 0
+    draft_bytes: int = 0
 
 
 def rounds_of(generate: Span) -> list[RoundRow]:
@@ -97,7 +103,9 @@ def rounds_of(generate: Span) -> list[RoundRow]:
         rows.append(RoundRow(a.get("specdec.round.index", len(rows)), a.get("specdec.gamma", 0),
                              a.get("specdec.draft_tokens", 0), a.get("specdec.accepted_tokens", 0),
                              draft_ms or a.get("specdec.draft_ms", 0.0), verify_ms or a.get("specdec.verify_ms", 0.0),
-                             draft_rpc + verify_rpc))
+                             draft_rpc + verify_rpc, a.get("specdec.draft.source", ""),
+                             a.get("specdec.ngram.draft_tokens", 0), a.get("specdec.ngram.accepted_tokens", 0),
+                             a.get("specdec.draft_bytes", 0)))
     return rows
 
 
@@ -105,10 +113,11 @@ def report(generate: Span, out=sys.stdout) -> dict:
     rows = rounds_of(generate)
     print(f"request {generate.trace_id}  model {generate.attributes.get('gen_ai.request.model', '?')}  "
           f"{generate.ms:.0f} ms", file=out)
-    print(f"{'round':>5} {'γ':>3} {'drafted':>7} {'accepted':>8} {'draft ms':>9} {'verify ms':>9} {'rpc ms':>7}", file=out)
+    print(f"{'round':>5} {'γ':>3} {'source':>11} {'drafted':>7} {'accepted':>8} {'bytes':>7} {'draft ms':>9} "
+          f"{'verify ms':>9} {'rpc ms':>7}", file=out)
     for r in rows:
-        print(f"{r.index:>5} {r.gamma:>3} {r.drafted:>7} {r.accepted:>8} {r.draft_ms:>9.1f} {r.verify_ms:>9.1f} "
-              f"{r.rpc_ms:>7.1f}", file=out)
+        print(f"{r.index:>5} {r.gamma:>3} {r.source or '-':>11} {r.drafted:>7} {r.accepted:>8} {r.draft_bytes:>7} "
+              f"{r.draft_ms:>9.1f} {r.verify_ms:>9.1f} {r.rpc_ms:>7.1f}", file=out)
     drafted_at, accepted_at = defaultdict(int), defaultdict(int)
     for r in rows:
         for i in range(r.drafted):
@@ -122,14 +131,35 @@ def report(generate: Span, out=sys.stdout) -> dict:
         accepted=sum(r.accepted for r in rows), acceptance_by_position=[round(a, 3) for a in by_position],
         draft_ms=round(draft, 1), verify_ms=round(verify, 1), rpc_ms=round(rpc, 1),
         other_ms=round(generate.ms - draft - verify, 1), output_tokens=output_tokens,
-        tokens_per_second=round(output_tokens / (generate.ms / 1e3), 2) if generate.ms else 0.0)
+        tokens_per_second=round(output_tokens / (generate.ms / 1e3), 2) if generate.ms else 0.0,
+        sources=_by_source(rows), draft_bytes=sum(r.draft_bytes for r in rows))
     acceptance = summary["accepted"] / summary["drafted"] if summary["drafted"] else 0.0
     print(f"summary: {summary['rounds']} rounds, {summary['drafted']} drafted, {summary['accepted']} accepted "
           f"({acceptance:.2f}); acceptance by position {summary['acceptance_by_position']}", file=out)
+    for source, counts in summary["sources"].items():
+        print(f"  {source}: {counts['drafted']} drafted, {counts['accepted']} accepted "
+              f"({counts['acceptance']:.2f}) in {counts['rounds']} rounds", file=out)
     print(f"time: draft {draft:.0f} ms ({draft / generate.ms:.0%}), verify {verify:.0f} ms "
           f"({verify / generate.ms:.0%}), of which RPC {rpc:.0f} ms; other {summary['other_ms']:.0f} ms; "
           f"{output_tokens} tokens at {summary['tokens_per_second']:.2f} tok/s", file=out)
     return summary
+
+
+def _by_source(rows: list[RoundRow]) -> dict[str, dict]:
+    """Drafted and accepted per source: a round's lookup tokens come first, the model's after them."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        ngram_accepted = min(r.ngram_accepted, r.accepted)
+        for source, drafted, accepted in (("ngram", r.ngram_drafted, ngram_accepted),
+                                          ("model", r.drafted - r.ngram_drafted, r.accepted - ngram_accepted)):
+            if drafted:
+                counts = out.setdefault(source, dict(rounds=0, drafted=0, accepted=0))
+                counts["rounds"] += 1
+                counts["drafted"] += drafted
+                counts["accepted"] += accepted
+    for counts in out.values():
+        counts["acceptance"] = round(counts["accepted"] / counts["drafted"], 3)
+    return out
 
 
 def plot(generate: Span, path: str) -> None:

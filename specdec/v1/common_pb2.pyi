@@ -76,6 +76,14 @@ class BatchStats(_message.Message):
     calls: int
     def __init__(self, forwards: _Optional[int] = ..., rows: _Optional[int] = ..., max_rows: _Optional[int] = ..., queue_ms: _Optional[float] = ..., pending_calls: _Optional[int] = ..., calls: _Optional[int] = ...) -> None: ...
 
+class DraftProbs(_message.Message):
+    __slots__ = ("token_ids", "probs_fp16")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FP16_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs_fp16: bytes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs_fp16: _Optional[bytes] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -25,29 +25,33 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdec/v1/coordinator.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"p\n\x0bSpeculation\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\r\n\x05gamma\x18\x02 \x01(\r\x12\x1c\n\x0f\x63onfidence_stop\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\n\n\x08_enabledB\x12\n\x10_confidence_stop\"\xb3\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12,\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x17.specdec.v1.Speculation\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05inputB\x11\n\x0f_max_new_tokens\"\xbe\x03\n\x0fGenerationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x02\x12\x1e\n\x16\x61\x63\x63\x65ptance_by_position\x18\x06 \x03(\x02\x12\x10\n\x08\x64raft_ms\x18\x07 \x01(\x02\x12\x11\n\tverify_ms\x18\x08 \x01(\x02\x12\x13\n\x0boverhead_ms\x18\t \x01(\x02\x12\x10\n\x08total_ms\x18\n \x01(\x02\x12\x19\n\x11tokens_per_second\x18\x0b \x01(\x02\x12\x15\n\rprompt_tokens\x18\x0c \x01(\r\x12\r\n\x05gamma\x18\r \x01(\r\x12\x12\n\nprefill_ms\x18\x0e \x01(\x02\x12\x10\n\x08\x66\x61llback\x18\x0f \x01(\t\x12\x16\n\x0e\x66irst_token_ms\x18\x10 \x01(\x02\x12\x19\n\x11verify_batch_rows\x18\x11 \x01(\x02\x12\x17\n\x0fverify_queue_ms\x18\x12 \x01(\x02\x12\x16\n\x0e\x64raft_queue_ms\x18\x13 \x01(\x02\"\x90\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32\xa3\x01\n\x0b\x43oordinator\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdec/v1/coordinator.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x9c\x01\n\x0bSpeculation\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\r\n\x05gamma\x18\x02 \x01(\r\x12\x1c\n\x0f\x63onfidence_stop\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12*\n\x08proposer\x18\x04 \x01(\x0e\x32\x18.specdec.v1.ProposerKindB\n\n\x08_enabledB\x12\n\x10_confidence_stop\"z\n\x10\x44raftSourceStats\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0e\n\x06rounds\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x02\"\xb3\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12,\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x17.specdec.v1.Speculation\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05inputB\x11\n\x0f_max_new_tokens\"\xa7\x04\n\x0fGenerationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x02\x12\x1e\n\x16\x61\x63\x63\x65ptance_by_position\x18\x06 \x03(\x02\x12\x10\n\x08\x64raft_ms\x18\x07 \x01(\x02\x12\x11\n\tverify_ms\x18\x08 \x01(\x02\x12\x13\n\x0boverhead_ms\x18\t \x01(\x02\x12\x10\n\x08total_ms\x18\n \x01(\x02\x12\x19\n\x11tokens_per_second\x18\x0b \x01(\x02\x12\x15\n\rprompt_tokens\x18\x0c \x01(\r\x12\r\n\x05gamma\x18\r \x01(\r\x12\x12\n\nprefill_ms\x18\x0e \x01(\x02\x12\x10\n\x08\x66\x61llback\x18\x0f \x01(\t\x12\x16\n\x0e\x66irst_token_ms\x18\x10 \x01(\x02\x12\x19\n\x11verify_batch_rows\x18\x11 \x01(\x02\x12\x17\n\x0fverify_queue_ms\x18\x12 \x01(\x02\x12\x16\n\x0e\x64raft_queue_ms\x18\x13 \x01(\x02\x12\x33\n\rdraft_sources\x18\x14 \x03(\x0b\x32\x1c.specdec.v1.DraftSourceStats\x12\x13\n\x0b\x64raft_bytes\x18\x15 \x01(\x04\x12\x1d\n\x15\x64raft_bytes_per_round\x18\x16 \x01(\x02\"\x90\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats*y\n\x0cProposerKind\x12\x1d\n\x19PROPOSER_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14PROPOSER_KIND_HYBRID\x10\x01\x12\x17\n\x13PROPOSER_KIND_MODEL\x10\x02\x12\x17\n\x13PROPOSER_KIND_NGRAM\x10\x03*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32\xa3\x01\n\x0b\x43oordinator\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1219
-  _globals['_FINISHREASON']._serialized_end=1337
+  _globals['_PROPOSERKIND']._serialized_start=1493
+  _globals['_PROPOSERKIND']._serialized_end=1614
+  _globals['_FINISHREASON']._serialized_start=1616
+  _globals['_FINISHREASON']._serialized_end=1734
   _globals['_CHATMESSAGE']._serialized_start=69
   _globals['_CHATMESSAGE']._serialized_end=113
   _globals['_CHATMESSAGES']._serialized_start=115
   _globals['_CHATMESSAGES']._serialized_end=172
   _globals['_TOKENIDS']._serialized_start=174
   _globals['_TOKENIDS']._serialized_end=197
-  _globals['_SPECULATION']._serialized_start=199
-  _globals['_SPECULATION']._serialized_end=311
-  _globals['_GENERATEREQUEST']._serialized_start=314
-  _globals['_GENERATEREQUEST']._serialized_end=621
-  _globals['_GENERATIONSTATS']._serialized_start=624
-  _globals['_GENERATIONSTATS']._serialized_end=1070
-  _globals['_GENERATERESPONSE']._serialized_start=1073
-  _globals['_GENERATERESPONSE']._serialized_end=1217
-  _globals['_COORDINATOR']._serialized_start=1340
-  _globals['_COORDINATOR']._serialized_end=1503
+  _globals['_SPECULATION']._serialized_start=200
+  _globals['_SPECULATION']._serialized_end=356
+  _globals['_DRAFTSOURCESTATS']._serialized_start=358
+  _globals['_DRAFTSOURCESTATS']._serialized_end=480
+  _globals['_GENERATEREQUEST']._serialized_start=483
+  _globals['_GENERATEREQUEST']._serialized_end=790
+  _globals['_GENERATIONSTATS']._serialized_start=793
+  _globals['_GENERATIONSTATS']._serialized_end=1344
+  _globals['_GENERATERESPONSE']._serialized_start=1347
+  _globals['_GENERATERESPONSE']._serialized_end=1491
+  _globals['_COORDINATOR']._serialized_start=1737
+  _globals['_COORDINATOR']._serialized_end=1900
 # @@protoc_insertion_point(module_scope)

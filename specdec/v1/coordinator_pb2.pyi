@@ -8,12 +8,23 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ProposerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROPOSER_KIND_UNSPECIFIED: _ClassVar[ProposerKind]
+    PROPOSER_KIND_HYBRID: _ClassVar[ProposerKind]
+    PROPOSER_KIND_MODEL: _ClassVar[ProposerKind]
+    PROPOSER_KIND_NGRAM: _ClassVar[ProposerKind]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_EOS: _ClassVar[FinishReason]
+PROPOSER_KIND_UNSPECIFIED: ProposerKind
+PROPOSER_KIND_HYBRID: ProposerKind
+PROPOSER_KIND_MODEL: ProposerKind
+PROPOSER_KIND_NGRAM: ProposerKind
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
@@ -40,14 +51,30 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Speculation(_message.Message):
-    __slots__ = ("enabled", "gamma", "confidence_stop")
+    __slots__ = ("enabled", "gamma", "confidence_stop", "proposer")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_STOP_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     gamma: int
     confidence_stop: bool
-    def __init__(self, enabled: _Optional[bool] = ..., gamma: _Optional[int] = ..., confidence_stop: _Optional[bool] = ...) -> None: ...
+    proposer: ProposerKind
+    def __init__(self, enabled: _Optional[bool] = ..., gamma: _Optional[int] = ..., confidence_stop: _Optional[bool] = ..., proposer: _Optional[_Union[ProposerKind, str]] = ...) -> None: ...
+
+class DraftSourceStats(_message.Message):
+    __slots__ = ("source", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    rounds: int
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float
+    def __init__(self, source: _Optional[str] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "messages", "token_ids", "max_new_tokens", "stop", "sampling", "speculation", "ignore_eos")
@@ -70,7 +97,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "draft_ms", "verify_ms", "overhead_ms", "total_ms", "tokens_per_second", "prompt_tokens", "gamma", "prefill_ms", "fallback", "first_token_ms", "verify_batch_rows", "verify_queue_ms", "draft_queue_ms")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "draft_ms", "verify_ms", "overhead_ms", "total_ms", "tokens_per_second", "prompt_tokens", "gamma", "prefill_ms", "fallback", "first_token_ms", "verify_batch_rows", "verify_queue_ms", "draft_queue_ms", "draft_sources", "draft_bytes", "draft_bytes_per_round")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +117,9 @@ class GenerationStats(_message.Message):
     VERIFY_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BYTES_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -109,7 +139,10 @@ class GenerationStats(_message.Message):
     verify_batch_rows: float
     verify_queue_ms: float
     draft_queue_ms: float
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., gamma: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., fallback: _Optional[str] = ..., first_token_ms: _Optional[float] = ..., verify_batch_rows: _Optional[float] = ..., verify_queue_ms: _Optional[float] = ..., draft_queue_ms: _Optional[float] = ...) -> None: ...
+    draft_sources: _containers.RepeatedCompositeFieldContainer[DraftSourceStats]
+    draft_bytes: int
+    draft_bytes_per_round: float
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., gamma: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., fallback: _Optional[str] = ..., first_token_ms: _Optional[float] = ..., verify_batch_rows: _Optional[float] = ..., verify_queue_ms: _Optional[float] = ..., draft_queue_ms: _Optional[float] = ..., draft_sources: _Optional[_Iterable[_Union[DraftSourceStats, _Mapping]]] = ..., draft_bytes: _Optional[int] = ..., draft_bytes_per_round: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"8\n\x06\x43ommit\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x18\n\x10target_token_ids\x18\x02 \x03(\r\"\xb2\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\'\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x12.specdec.v1.CommitH\x00\x88\x01\x01\x12\x16\n\x0emin_confidence\x18\x05 \x01(\x02\x42\t\n\x07_commit\"\x98\x01\n\x0fProposeResponse\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\r\x12\x18\n\x10\x64raft_probs_fp16\x18\x02 \x01(\x0c\x12\x19\n\x11\x64raft_confidences\x18\x04 \x03(\x02\x12%\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x16.specdec.v1.BatchStatsJ\x04\x08\x03\x10\x04R\nvocab_size2\xf2\x02\n\x07\x44rafter\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12K\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a\x1a.specdec.v1.TokenizerFiles\x12Q\n\x0cStartSession\x12\x1f.specdec.v1.StartSessionRequest\x1a .specdec.v1.StartSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12K\n\nEndSession\x12\x1d.specdec.v1.EndSessionRequest\x1a\x1e.specdec.v1.EndSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"8\n\x06\x43ommit\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x18\n\x10target_token_ids\x18\x02 \x03(\r\"\x9a\x02\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\'\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x12.specdec.v1.CommitH\x00\x88\x01\x01\x12\x16\n\x0emin_confidence\x18\x05 \x01(\x02\x12\x18\n\x10\x64raft_prefix_ids\x18\x06 \x03(\r\x12\x18\n\x10truncation_top_k\x18\x07 \x01(\r\x12\x1d\n\x10truncation_top_p\x18\x08 \x01(\x02H\x01\x88\x01\x01\x42\t\n\x07_commitB\x13\n\x11_truncation_top_p\"\xc3\x01\n\x0fProposeResponse\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\r\x12\x19\n\x11\x64raft_confidences\x18\x04 \x03(\x02\x12%\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x16.specdec.v1.BatchStats\x12+\n\x0b\x64raft_probs\x18\x06 \x03(\x0b\x32\x16.specdec.v1.DraftProbsJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\x10\x64raft_probs_fp16R\nvocab_size2\xf2\x02\n\x07\x44rafter\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12K\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a\x1a.specdec.v1.TokenizerFiles\x12Q\n\x0cStartSession\x12\x1f.specdec.v1.StartSessionRequest\x1a .specdec.v1.StartSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12K\n\nEndSession\x12\x1d.specdec.v1.EndSessionRequest\x1a\x1e.specdec.v1.EndSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,9 +35,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMMIT']._serialized_start=65
   _globals['_COMMIT']._serialized_end=121
   _globals['_PROPOSEREQUEST']._serialized_start=124
-  _globals['_PROPOSEREQUEST']._serialized_end=302
-  _globals['_PROPOSERESPONSE']._serialized_start=305
-  _globals['_PROPOSERESPONSE']._serialized_end=457
-  _globals['_DRAFTER']._serialized_start=460
-  _globals['_DRAFTER']._serialized_end=830
+  _globals['_PROPOSEREQUEST']._serialized_end=406
+  _globals['_PROPOSERESPONSE']._serialized_start=409
+  _globals['_PROPOSERESPONSE']._serialized_end=604
+  _globals['_DRAFTER']._serialized_start=607
+  _globals['_DRAFTER']._serialized_end=977
 # @@protoc_insertion_point(module_scope)
