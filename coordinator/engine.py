@@ -19,7 +19,7 @@ from specdec.sampling import SamplingConfig
 from specdec import telemetry
 
 from coordinator.clients import VerifierClient
-from coordinator.gamma import LOAD_ALONE, CostModel, GammaController, GammaPriors, Plan, ServiceLoad
+from coordinator.gamma import CostModel, GammaController, GammaPriors, Plan, ServiceLoad
 from coordinator.metrics import Metrics
 from coordinator.output import Delta, OutputAccumulator
 from coordinator.rounds import RoundRecord
@@ -236,8 +236,7 @@ class SpeculativeEngine:
         try:
             proposer.ready()
         except ProposerUnavailable as exc:
-            self._fall_back(exc, stats)
-            proposer = self._without_model(proposer, stats, str(exc), controller)
+            proposer = self._fall_back(exc, proposer, stats, controller)
             if proposer is None:
                 yield from self._target_only_rounds(session_id, request, stats, output, timeout)
                 return
@@ -274,9 +273,12 @@ class SpeculativeEngine:
             raise DeadlineExceeded(f"the deadline passed after {stats.output_tokens} tokens "
                                    f"({stats.rounds} rounds); raise the client's timeout or lower max_new_tokens")
 
-    def _fall_back(self, exc: ProposerUnavailable, stats: Stats) -> None:
+    def _fall_back(self, exc: ProposerUnavailable, proposer: Proposer, stats: Stats,
+                   controller: GammaController | None) -> Proposer | None:
+        """The proposer failed: go on without its model."""
         self.metrics.fallbacks.inc()
         self.on_proposer_failure(exc)
+        return self._without_model(proposer, stats, str(exc), controller)
 
     def _speculative_rounds(self, session_id: str, request: GenerationRequest, proposer: Proposer, stats: Stats,
                             output: OutputAccumulator, timeout, controller: GammaController | None,
@@ -290,8 +292,7 @@ class SpeculativeEngine:
                     # Raised by propose(), before this round's Verify: the verifier's session
                     # is whole, and decoding carries on from exactly there, with the free
                     # drafts if the proposer has them, else target-only.
-                    self._fall_back(exc, stats)
-                    proposer = self._without_model(proposer, stats, str(exc), controller)
+                    proposer = self._fall_back(exc, proposer, stats, controller)
                     if proposer is None:
                         yield from self._target_only_rounds(session_id, request, stats, output, timeout)
                         return
@@ -323,12 +324,11 @@ class SpeculativeEngine:
                 # 3. Verify: one target forward pass over the draft, then the rejection sampler.
                 #    With nothing drafted, decode: up to the next probe in one call (a call a
                 #    token would miss the verifier's batched forwards between round trips),
-                #    or one token when lookups may find a draft after it and no batch waits.
+                #    or one token where lookups find enough after it to pay for the call.
                 started = time.perf_counter()
                 if not proposal.token_ids:
-                    alone = controller is None or controller.calls() <= LOAD_ALONE
-                    steps = 1 if controller is None or (proposer.looks_up and alone) else \
-                        min(DECODE_CHUNK, limit + 1, controller.steps_until_probe())
+                    steps = 1 if controller is None else \
+                        controller.decode_steps(min(DECODE_CHUNK, limit + 1), proposer.looks_up)
                     decoded = self._observe_load(self.verifier.decode(session_id, steps, request.sampling,
                                                                       timeout()))
                     target_ids, verdict = decoded.token_ids, Verdict(0, decoded.token_ids[-1], False, decoded.batch)

@@ -198,6 +198,11 @@ class CostModel:
     def round_ms(self, gamma: int, calls: float = 1.0) -> float:
         return self.draft_ms(gamma, calls) + self.verify_ms(gamma, calls)
 
+    def call_overhead_ms(self) -> float:
+        """What a verifier call costs beyond its forward (RPC, sampling): the offset
+        measured rounds show over the curve (0 without a curve)."""
+        return max(self.verify_curve.offset, 0.0) if self.verify_curve is not None else 0.0
+
     def marginal_verify_ms(self, gamma: int, calls: float = 1.0) -> float:
         """What verifying one more draft token costs on top of γ of them."""
         return max(self.verify_ms(gamma + 1, calls) - self.verify_ms(gamma, calls), 0.0)
@@ -415,6 +420,7 @@ class GammaController:
         self.rounds_at_zero = 0
         self.probing = False
         self.lookup_skips = [0] * len(MATCH_BUCKETS)     # lookups not taken since one was, per bucket
+        self.lookup_yield = 1.0  # EWMA: lookup tokens kept per round (a lookup each); optimistic until measured
 
     def without_model(self) -> None:
         """The request goes on with free drafts alone: the model's γ is 0 for good."""
@@ -445,12 +451,12 @@ class GammaController:
         cost, calls = self.state.cost, self.calls()
         free = _cumulative(self.state.lookup[bucket].by_positions(k_max))               # [k_max + 1] P(first i kept)
         model = _cumulative(self.state.acceptance.by_positions(self.gamma_max if self.model else 0))
-        model_tokens = [sum(model[1 : j + 1]) for j in range(len(model))]               # E[model tokens kept | j]
+        free_tokens, model_tokens = _running_sums(free), _running_sums(model)           # E[tokens kept | k], | j
         verify = [cost.verify_ms(rows, calls) for rows in range(self.gamma_max + 1)]
         draft = [cost.draft_ms(j, calls) for j in range(len(model))]
 
         def goodput(k: int, j: int) -> float:
-            tokens = 1 + sum(free[1 : k + 1]) + free[k] * model_tokens[j]
+            tokens = 1 + free_tokens[k] + free[k] * model_tokens[j]
             return tokens / max(draft[j] + verify[k + j], 1e-6)
         best, value = Plan(0, gamma), goodput(0, min(gamma, len(model) - 1))
         for k in range(1, k_max + 1):
@@ -503,6 +509,18 @@ class GammaController:
         learned calibration."""
         return min(self.max_confidence, self.state.calibration.threshold(self.required_acceptance()))
 
+    def decode_steps(self, chunk: int, looks_up: bool) -> int:
+        """Target tokens to decode in a round that drafts nothing: one, so that the
+        next lookup comes after it, where lookups keep more tokens than a verifier
+        call costs beyond its forward (and no batch waits); else up to `chunk`, or
+        to the next probe, in one call."""
+        chunk = max(1, min(chunk, self.steps_until_probe()))
+        if looks_up and self.calls() <= LOAD_ALONE:
+            cost = self.state.cost
+            if self.lookup_yield * cost.verify_ms(0) > cost.call_overhead_ms():
+                return 1
+        return chunk
+
     def steps_until_probe(self) -> int:
         """At γ = 0: target tokens to decode before the next probe round (at least 1)."""
         return max(1, self.probe_every - self.rounds_at_zero)
@@ -523,6 +541,7 @@ class GammaController:
         state.cost.observe(round.drafted, round.draft_ms, round.verify_ms / max(round.steps, 1),
                            draft_alone=round.draft_batch_calls <= LOAD_ALONE,
                            verify_alone=round.verify_batch_calls <= LOAD_ALONE, model_tokens=round.model_drafted)
+        self.lookup_yield += 0.1 * (round.ngram_accepted - self.lookup_yield)
         if round.ngram_drafted:
             state.lookup[match_bucket(round.ngram_match)].observe(round.ngram_drafted, round.ngram_accepted)
         # The model's drafts were judged only if every lookup token before them was kept.
@@ -553,6 +572,14 @@ def _cumulative(acceptance: Sequence[float]) -> list[float]:
     out = [1.0]
     for a in acceptance:
         out.append(out[-1] * min(a, 0.999))
+    return out
+
+
+def _running_sums(kept: Sequence[float]) -> list[float]:
+    """[n + 1] P(the first i kept) -> [n + 1] expected tokens kept of the first i."""
+    out = [0.0]
+    for p in kept[1:]:
+        out.append(out[-1] + p)
     return out
 
 

@@ -202,7 +202,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 f"({last.delta.finish_reason.name.lower()}) in {s.total_ms:.0f} ms, {s.tokens_per_second:.1f} tok/s, "
                 f"{s.rounds} rounds, acceptance {s.acceptance_rate:.2f}")
         if s.fallback:
-            line += f", went target-only: {s.fallback}"
+            line += f", without the draft model: {s.fallback}"
         if self.config.log_prompts:  # opt-in: prompts are the users' data
             kind = request.WhichOneof("input")
             line += f", {kind}: {str(getattr(request, kind))[:500]!r}"

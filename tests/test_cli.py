@@ -178,8 +178,10 @@ def test_up_serves_the_models_on_private_sockets_and_restarts_what_dies(tmp_path
 def test_up_hands_the_coordinator_its_flags():
     from specdec.tools.cli import coordinator_passthrough, parser
     args = parser().parse_args(["up", "--pair", "tiny", "--metrics-port", "9100", "--drafter-timeout", "5",
-                                "--max-message-bytes", "1000000", "--health-port", "9101", "--max-sessions", "3"])
+                                "--max-message-bytes", "1000000", "--health-port", "9101", "--max-sessions", "3",
+                                "--proposer", "ngram", "--draft-top-k", "32", "--lookup-history-tokens", "0"])
     passed = coordinator_passthrough(args)
     pairs = dict(zip(passed[::2], passed[1::2]))
     assert pairs == {"--metrics-port": "9100", "--drafter-timeout": "5.0", "--max-message-bytes": "1000000",
-                     "--health-port": "9101", "--max-sessions": "3"}
+                     "--health-port": "9101", "--max-sessions": "3", "--proposer": "ngram", "--draft-top-k": "32",
+                     "--lookup-history-tokens": "0"}

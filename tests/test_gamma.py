@@ -412,3 +412,19 @@ def test_without_a_model_only_lookups_draft():
     assert controller.best() == 0
     assert controller.plan(Lookup(), limit=100) == Plan(0, 0)
     assert controller.plan(Lookup((5, 6), 9), limit=100).model == 0
+
+
+def test_with_nothing_drafted_one_token_is_decoded_where_lookups_pay_for_the_call():
+    controller = GammaController(16, ControllerState(cost=CostModel.from_curves([22.0], MEASURED_INT4)))
+    controller.state.cost.verify_curve.offset = 4.0  # ms a call costs beyond its forward
+    controller.gamma, controller.rounds_at_zero = 0, 0
+    assert controller.decode_steps(16, looks_up=True) == 1      # optimistic until lookups are measured
+    assert controller.decode_steps(16, looks_up=False) == 8     # no lookups: to the next probe in one call
+    for _ in range(60):                                          # lookups that keep nothing
+        controller.observe(lookup_round(1, 0, match=1, verify_ms=MEASURED_INT4[1] + 4.0))
+    controller.rounds_at_zero = 0
+    assert controller.decode_steps(16, looks_up=True) == 8
+    for _ in range(60):                                          # lookups that keep a token a round
+        controller.observe(lookup_round(2, 1, match=6, verify_ms=MEASURED_INT4[2] + 4.0))
+    controller.rounds_at_zero = 0
+    assert controller.decode_steps(16, looks_up=True) == 1

@@ -207,3 +207,12 @@ def test_the_verifier_serves_int4_and_the_drafter_int8_by_default_as_the_default
     (deployment,) = by_kind(render({"verifier": {"quantize": "none"}}), "Deployment")
     args = {c["name"]: c["args"] for c in deployment["spec"]["template"]["spec"]["containers"]}
     assert "--quantize=none" in args["verifier"]
+
+
+def test_the_coordinator_drafts_with_the_hybrid_proposer_unless_told_otherwise():
+    (deployment,) = by_kind(render({}), "Deployment")
+    args = {c["name"]: c["args"] for c in deployment["spec"]["template"]["spec"]["containers"]}
+    assert "--proposer=hybrid" in args["coordinator"] and "--lookup-history-tokens=16384" in args["coordinator"]
+    (deployment,) = by_kind(render({"coordinator": {"proposer": "model", "lookupHistoryTokens": 0}}), "Deployment")
+    args = {c["name"]: c["args"] for c in deployment["spec"]["template"]["spec"]["containers"]}
+    assert "--proposer=model" in args["coordinator"] and "--lookup-history-tokens=0" in args["coordinator"]

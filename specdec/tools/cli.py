@@ -56,7 +56,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 # `specdec up` options handed to the coordinator as they are.
 PASSTHROUGH = ("max_sessions", "auth_token_env", "auth_token_file", "tls_cert", "tls_key", "tls_client_ca",
-               "metrics_port", "drafter_timeout", "max_message_bytes", "health_port")
+               "metrics_port", "drafter_timeout", "max_message_bytes", "health_port", "proposer", "draft_top_k",
+               "draft_top_p", "lookup_history_tokens")
 
 
 def coordinator_passthrough(args: argparse.Namespace) -> tuple[str, ...]:
@@ -190,6 +191,12 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--drafter-timeout", type=float,
                     help="coordinator: seconds a drafter call may take before the request goes on without it")
     up.add_argument("--max-message-bytes", type=int, help="coordinator: largest request or response")
+    up.add_argument("--proposer", choices=["hybrid", "model", "ngram"],
+                    help="coordinator: who drafts (default hybrid: n-gram lookups, then the draft model)")
+    up.add_argument("--draft-top-k", type=int, help="coordinator: the draft support sent when sampling (top-k)")
+    up.add_argument("--draft-top-p", type=float, help="coordinator: ... and its top-p mass")
+    up.add_argument("--lookup-history-tokens", type=int,
+                    help="coordinator: tokens of recent outputs that lookups search (0: none)")
     up.add_argument("--health-port", type=int, help="coordinator: grpc.health.v1 alone on this port")
     up.add_argument("--model-transport", choices=["uds", "tcp"], default="uds",
                     help="how the coordinator reaches the drafter and verifier: Unix sockets in a private "

@@ -172,6 +172,8 @@ livenessProbe:
     - --health-port={{ $c.healthPort }}
     - --gamma={{ $c.gamma }}
     - --gamma-max={{ $c.gammaMax }}
+    - --proposer={{ $c.proposer | default "hybrid" }}
+    - --lookup-history-tokens={{ $c.lookupHistoryTokens | default 0 | int }}
     - --max-sessions={{ $c.maxSessions }}
     - --max-new-tokens={{ $c.maxNewTokens }}
     - --connect-timeout={{ $c.connectTimeoutSeconds }}
