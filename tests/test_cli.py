@@ -83,6 +83,11 @@ def test_up_generate_and_stop():
         summary = specdec("generate", "--addr", f"127.0.0.1:{port}", "--prompt", "def add(a, b):",
                           "--max-new-tokens", "12", "--stats", *auth)
         assert summary.returncode == 0 and "first token" in summary.stderr and "drafted" in summary.stderr
+        model_only = specdec("generate", "--addr", f"127.0.0.1:{port}", "--prompt", "def add(a, b):",
+                             "--max-new-tokens", "12", "--json", "--proposer", "model", "--gamma", "3", *auth)
+        sources = json.loads(model_only.stdout)["stats"].get("draftSources", [])
+        assert json.loads(model_only.stdout)["tokenIds"] == response["tokenIds"]
+        assert sources and {d["source"] for d in sources} == {"model"}
         streamed = specdec("generate", "--addr", f"127.0.0.1:{port}", "--prompt", "def add(a, b):",
                            "--max-new-tokens", "12", "--stream", *auth)
         assert streamed.returncode == 0 and streamed.stdout.strip() == response["text"].strip()

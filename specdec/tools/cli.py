@@ -90,6 +90,8 @@ def build_request(args: argparse.Namespace) -> coordinator_pb2.GenerateRequest:
     if args.no_speculation:
         request.speculation.enabled = False
     request.speculation.gamma = args.gamma or 0
+    if args.proposer:
+        request.speculation.proposer = coordinator_pb2.ProposerKind.Value(f"PROPOSER_KIND_{args.proposer.upper()}")
     return request
 
 
@@ -132,8 +134,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"acceptance {s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}; "
               f"prefill {s.prefill_ms:.0f} ms, draft {s.draft_ms:.0f} ms, verify {s.verify_ms:.0f} ms, "
               f"overhead {s.overhead_ms:.0f} ms; first token {s.first_token_ms:.0f} ms]", file=sys.stderr)
+        if s.draft_sources:
+            print("[" + "; ".join(f"{d.source}: {d.draft_tokens} drafted, {d.accepted_tokens} accepted"
+                                  for d in s.draft_sources) + f"; {s.draft_bytes} bytes of drafts sent]",
+                  file=sys.stderr)
         if s.fallback:
-            print(f"[target-only: {s.fallback}]", file=sys.stderr)
+            print(f"[without the draft model: {s.fallback}]", file=sys.stderr)
     return 0
 
 
@@ -217,6 +223,8 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--gamma", type=int)
     gen.add_argument("--no-speculation", action="store_true", help="target-only decoding")
+    gen.add_argument("--proposer", choices=["hybrid", "model", "ngram"],
+                     help="who drafts for this request (default: the server's)")
     gen.add_argument("--stream", action="store_true")
     gen.add_argument("--json", action="store_true", help="print the whole response, stats included")
     gen.add_argument("--stats", action="store_true", help="then a one-line summary of the stats (stderr)")
