@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from specdec.errors import Cancelled, DeadlineExceeded
-from specdec.proposer import MODEL, NGRAM, Commit, Lookup, Proposal, Proposer, ProposerUnavailable, Verdict
+from specdec.proposer import Commit, Lookup, Proposal, Proposer, ProposerUnavailable, Verdict
 from specdec.sampling import SamplingConfig
 from specdec import telemetry
 
@@ -77,10 +77,8 @@ class Stats:
         self.rounds += 1
         self.draft_bytes += round.draft_bytes
         self.drafting_rounds += round.drafted > 0
-        for name, drafted, accepted in ((NGRAM, round.ngram_drafted, round.ngram_accepted),
-                                        (MODEL, round.model_drafted, round.model_accepted)):
-            if drafted:
-                self.sources.setdefault(name, SourceCount()).add(drafted, accepted)
+        for name, drafted, accepted in round.by_source():
+            self.sources.setdefault(name, SourceCount()).add(drafted, accepted)
         self.draft_tokens += round.drafted
         self.accepted_tokens += round.accepted
         self.draft_ms += round.draft_ms

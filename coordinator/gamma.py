@@ -316,10 +316,9 @@ class Acceptance:
         return self.by_positions(i + 1)[i]
 
     def expected_tokens(self, gamma: int) -> float:
-        total, run = 1.0, 1.0
-        for a in self.by_positions(gamma):
-            run *= min(a, 0.999)
-            total += run
+        total = 1.0
+        for kept in _cumulative(self.by_positions(gamma))[1:]:
+            total += kept
         return total
 
 

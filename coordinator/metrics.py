@@ -68,11 +68,9 @@ class Metrics:
             self.draft_tokens.inc(round.drafted)
             self.accepted_tokens.inc(round.accepted)
             self.draft_bytes.observe(round.draft_bytes)
-            for source, drafted, accepted in (("ngram", round.ngram_drafted, round.ngram_accepted),
-                                              ("model", round.model_drafted, round.model_accepted)):
-                if drafted:
-                    self.source_draft_tokens.labels(source).inc(drafted)
-                    self.source_accepted_tokens.labels(source).inc(accepted)
+            for source, drafted, accepted in round.by_source():
+                self.source_draft_tokens.labels(source).inc(drafted)
+                self.source_accepted_tokens.labels(source).inc(accepted)
             for position, accepted in enumerate(round.accepted_by_position):
                 self.drafted_at.labels(str(position)).inc()
                 if accepted:

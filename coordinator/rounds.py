@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.proposer import MODEL, NGRAM
+
 
 @dataclass(frozen=True)
 class RoundRecord:
@@ -43,10 +45,16 @@ class RoundRecord:
     def model_accepted(self) -> int:
         return max(0, self.accepted - self.ngram_drafted)
 
+    def by_source(self) -> list[tuple[str, int, int]]:
+        """(source, drafted, accepted) for each source that drafted, in draft order."""
+        return [(name, drafted, accepted) for name, drafted, accepted in (
+            (NGRAM, self.ngram_drafted, self.ngram_accepted), (MODEL, self.model_drafted, self.model_accepted))
+            if drafted]
+
     @property
     def source(self) -> str:
         """What drafted this round: "ngram", "model", "ngram+model", or "" (nothing)."""
-        return "+".join(name for name, n in (("ngram", self.ngram_drafted), ("model", self.model_drafted)) if n)
+        return "+".join(name for name, _, _ in self.by_source())
 
     @property
     def accepted_by_position(self) -> list[bool]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specdec.ngram import NgramIndex, RecentOutputs
+from specdec.ngram import MAX_MATCH, NgramIndex, RecentOutputs
 from specdec.proposer import Commit, Lookup, Proposal, Proposer
 from specdec.sampling import SamplingConfig
 from specdec.wire import ONE_HOT
@@ -49,7 +49,9 @@ class HybridProposer(Proposer):
     def lookup(self, context: Sequence[int], max_tokens: int) -> Lookup:
         self.index.extend(context[len(self.index) :])
         own = self.index.match(self.index.tokens, max_tokens)
-        other = self.recent.match(self.index.tokens, max_tokens) if self.recent is not None else Lookup()
+        if self.recent is None or own.match_length >= MAX_MATCH:  # nothing elsewhere can match longer
+            return own
+        other = self.recent.match(self.index.tokens, max_tokens)
         return other if other.match_length > own.match_length else own
 
     def free_only(self) -> "HybridProposer":

@@ -41,16 +41,17 @@ class NgramIndex:
                     self.after[n][tuple(self.tokens[p - n : p])] = p
             self.tokens.append(int(token))
 
-    def match(self, context: Sequence[int], max_tokens: int) -> Lookup:
+    def match(self, context: Sequence[int], max_tokens: int,
+              keys: dict[int, tuple[int, ...]] | None = None) -> Lookup:
         """The continuation (up to `max_tokens`) of the latest occurrence of the
         longest n-gram that ends `context`, and how many tokens of `context`
-        that occurrence matches (up to MAX_MATCH): the evidence behind it."""
+        that occurrence matches (up to MAX_MATCH): the evidence behind it.
+        `keys`: `suffix_keys(context)`, when many indexes are searched for one context."""
         if max_tokens <= 0:
             return Lookup()
-        for n in NGRAM_SIZES:
-            if n > len(context):
-                continue
-            at = self.after[n].get(tuple(context[len(context) - n :]))
+        keys = suffix_keys(context) if keys is None else keys
+        for n, key in keys.items():
+            at = self.after[n].get(key)
             if at is None:
                 continue
             length = n
@@ -59,6 +60,11 @@ class NgramIndex:
                 length += 1
             return Lookup(tuple(self.tokens[at : at + max_tokens]), length)
         return Lookup()
+
+
+def suffix_keys(context: Sequence[int]) -> dict[int, tuple[int, ...]]:
+    """The n-grams ending `context`, longest first: what an index is asked for."""
+    return {n: tuple(context[len(context) - n :]) for n in NGRAM_SIZES if n <= len(context)}
 
 
 class RecentOutputs:
@@ -94,8 +100,9 @@ class RecentOutputs:
             outputs = list(self._outputs)
         best = Lookup()
         tail = context[-MAX_MATCH - 1 :]
+        keys = suffix_keys(tail)  # once, not per output
         for index in reversed(outputs):
-            found = index.match(tail, max_tokens)
+            found = index.match(tail, max_tokens, keys)
             if found.match_length > best.match_length:
                 best = found
         return best

@@ -134,13 +134,18 @@ def truncate_for_wire(probs: torch.Tensor, truncation: Truncation) -> DraftProbs
         values, ids = values[:keep], ids[:keep]
     rounded = (values / values.sum()).to(torch.float16)  # the support renormalized, then rounded
     kept = rounded > 0  # a probability fp16 rounds to 0 could never be drawn: leave it out
-    return DraftProbs(tuple(ids[kept].tolist()), rounded[kept].cpu().numpy().astype("<f2", copy=False).tobytes())
+    return DraftProbs(tuple(ids[kept].tolist()), encode_probs(rounded[kept]))
 
 
-def sparse_probs(entry: DraftProbs) -> torch.Tensor:
+def _fp16_values(entry: DraftProbs) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(entry.probs_fp16, dtype="<f2").astype(np.float32))
+
+
+def sparse_probs(entry: DraftProbs, values: torch.Tensor | None = None) -> torch.Tensor:
     """A sparse entry's probabilities [m] in float32, renormalized: what the
-    drafter samples from and the verifier scores with, computed identically."""
-    values = torch.from_numpy(np.frombuffer(entry.probs_fp16, dtype="<f2").astype(np.float32))
+    drafter samples from and the verifier scores with, computed identically
+    (`values`: the entry's, already decoded)."""
+    values = _fp16_values(entry) if values is None else values
     return values / values.sum()
 
 
@@ -186,7 +191,7 @@ def _sparse_values(entry: DraftProbs, where: str) -> torch.Tensor:
     if len(entry.probs_fp16) != 2 * m:
         raise InvalidArgument(f"{where}.probs_fp16 has {len(entry.probs_fp16)} bytes; expected {2 * m} "
                               f"for {m} support tokens x 2 bytes")
-    values = torch.from_numpy(np.frombuffer(entry.probs_fp16, dtype="<f2").astype(np.float32))
+    values = _fp16_values(entry)
     if not torch.isfinite(values).all() or (values < 0).any() or float(values.sum()) <= 0:
         raise InvalidArgument(f"{where}.probs_fp16 must be finite, non-negative probabilities with a positive sum")
     total = float(values.double().sum())
@@ -196,7 +201,7 @@ def _sparse_values(entry: DraftProbs, where: str) -> torch.Tensor:
     if abs(total - 1.0) > max(tolerance, 1e-3):
         raise InvalidArgument(f"{where}.probs_fp16 sums to {total:.6g}; a sparse distribution must sum to 1 "
                               "(renormalize the truncated support before encoding)")
-    return sparse_probs(entry)
+    return sparse_probs(entry, values)
 
 
 def draft_probs_to_proto(entries: Sequence[DraftProbs]) -> list[common_pb2.DraftProbs]:
