@@ -40,9 +40,11 @@ def main(argv: list[str] | None = None) -> None:
                         "sends the whole distribution (2 bytes per vocabulary entry per token)")
     parser.add_argument("--draft-top-p", type=float, default=DEFAULT_DRAFT_TOP_P,
                         help="... and from the fewest top tokens holding this much of its mass (1: off)")
-    parser.add_argument("--lookup-history-tokens", type=int, default=16384,
-                        help="tokens of recent outputs that every request's n-gram lookups search (0: none; each "
-                        "request still searches its own prompt and output)")
+    parser.add_argument("--lookup-history-tokens", type=int, default=0,
+                        help="tokens of recent outputs that a caller's n-gram lookups search, kept per "
+                        "authenticated caller (mTLS identity or bearer token; without auth, all callers are one): "
+                        "what a lookup drafts shows in timing and stats (0, the default: none; each request "
+                        "still searches its own prompt and output)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--gamma", default="auto", type=parse_gamma,

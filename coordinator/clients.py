@@ -6,6 +6,8 @@ own details go to the log and to the current span."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Callable, Sequence
 
 import grpc
@@ -22,6 +24,9 @@ from specdec.wire import ONE_HOT, Truncation, draft_probs_from_proto, draft_prob
 
 log = logging.getLogger("coordinator")
 Timeout = Callable[[], "float | None"]  # seconds left of the caller's deadline
+END_SESSION_TIMEOUT_S, END_SESSION_ATTEMPTS, END_SESSION_BACKOFF_S = 5.0, 8, 0.5  # retried for about 3 min
+RETRIED_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+KEEP_ALIVE_TIMEOUT_S = 5.0
 
 
 def _no_deadline() -> None:
@@ -35,6 +40,8 @@ class ModelClient:
         self.address = address
         self.channel = channel(address, tls)
         self.stub = stub_cls(telemetry.traced_channel(self.channel))
+        self._ending: set[grpc.Future] = set()  # EndSession calls in flight: close() lets them land
+        self._ending_lock = threading.Lock()
 
     def failure(self, method: str, exc: grpc.RpcError) -> RemoteError:
         """The public error for a failed call; the details stay in the log and the trace."""
@@ -57,13 +64,41 @@ class ModelClient:
     def tokenizer_files(self, timeout: float = 60.0) -> dict[str, bytes]:
         return dict(self.call("GetTokenizer", common_pb2.GetTokenizerRequest(), timeout).files)
 
-    def end_session(self, session_id: str) -> None:
+    def end_session(self, session_id: str, attempt: int = 0) -> None:
+        """Ends a session off the caller's path: the request that held it has its
+        answer already, whatever the service does now. A service that does not
+        answer (hung, restarting) is asked again with backoff, so its sessions do not
+        wait for their TTL; one that is gone for good reaps them by it."""
         try:
-            self.stub.EndSession(common_pb2.EndSessionRequest(session_id=session_id), timeout=5.0)
-        except (grpc.RpcError, ValueError):  # ValueError: the channel is already closed
-            pass  # the session's TTL reaps it if this did not reach the service
+            future = self.stub.EndSession.future(common_pb2.EndSessionRequest(session_id=session_id),
+                                                 timeout=END_SESSION_TIMEOUT_S)
+        except ValueError:  # the channel is closed: this client is shutting down
+            return
 
-    def close(self) -> None:
+        with self._ending_lock:
+            self._ending.add(future)
+
+        def done(call: grpc.Future) -> None:
+            with self._ending_lock:
+                self._ending.discard(call)
+            error = call.exception()
+            if error is None or attempt + 1 >= END_SESSION_ATTEMPTS or error.code() not in RETRIED_CODES:
+                return
+            retry = threading.Timer(min(END_SESSION_BACKOFF_S * 2 ** attempt, 60.0), self.end_session,
+                                    (session_id, attempt + 1))
+            retry.daemon = True
+            retry.start()
+        future.add_done_callback(done)
+
+    def close(self, grace_s: float = 2.0) -> None:
+        """Closes the channel once the sessions being ended are (at most `grace_s`):
+        a coordinator that stops right after its last request leaves no session behind."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            with self._ending_lock:
+                if not self._ending:
+                    break
+            time.sleep(0.01)
         self.channel.close()
 
 
@@ -133,14 +168,19 @@ class RemoteDraftProposer(Proposer):
     on target-only); the caller's cancellation or deadline stays what it is."""
 
     def __init__(self, client: DrafterClient, expected_fingerprint: str, timeout: Timeout = _no_deadline,
-                 call_timeout_s: float = 30.0, truncation: Truncation = Truncation()):
+                 call_timeout_s: float = 30.0, truncation: Truncation = Truncation(),
+                 keep_alive_s: float = 150.0, is_up: Callable[[], bool] = lambda: True):
         self.client = client
         self.truncation = truncation  # the draft distribution's support sent (sparse) when sampling
         self.expected_fingerprint = expected_fingerprint
         self._caller_timeout = timeout
         self.call_timeout_s = call_timeout_s  # a hung drafter must not hang the request
+        self.keep_alive_s = keep_alive_s      # renew the session after this long without a call
+        self._is_up = is_up                   # the coordinator's watch of the drafter
         self._session_id: str | None = None
         self._started: grpc.Future | None = None
+        self._last_call = time.monotonic()
+        self._renewal: grpc.Future | None = None
 
     def _timeout(self) -> float:
         remaining = self._caller_timeout()
@@ -182,9 +222,34 @@ class RemoteDraftProposer(Proposer):
                 f"the drafter refused {method} ({code.name}: {exc.details()})")
         return ProposerUnavailable(what, code)
 
+    def keep_alive(self) -> None:
+        """Between rounds. A request drafting from lookups alone, or at γ = 0, makes
+        no drafter call for a while: its session is renewed before the drafter's
+        TTL would reap it (without waiting for the answer). A drafter that the
+        watch found down, or that lost the session, ends model drafting for this
+        request (ProposerUnavailable), which its stats then report."""
+        if self._session_id is None or self._started is not None:
+            return
+        if self._renewal is not None and self._renewal.done():
+            renewal, self._renewal = self._renewal, None
+            error = renewal.exception()
+            if error is not None:
+                raise self._failure("KeepAlive", error)
+            if not renewal.result().existed:
+                raise ProposerUnavailable("the drafter lost this request's session (restarted, or reaped it)",
+                                          grpc.StatusCode.NOT_FOUND)
+        if not self._is_up():
+            raise ProposerUnavailable("the drafter became unavailable (it stopped answering its health checks)",
+                                      grpc.StatusCode.UNAVAILABLE)
+        if self._renewal is None and time.monotonic() - self._last_call >= self.keep_alive_s:
+            self._last_call = time.monotonic()
+            self._renewal = self.client.stub.KeepAlive.future(
+                common_pb2.KeepAliveRequest(session_id=self._session_id), timeout=KEEP_ALIVE_TIMEOUT_S)
+
     def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None,
                 min_confidence: float = 0.0, prefix: Sequence[int] = ()) -> Proposal:
         self._await_start()
+        self._last_call = time.monotonic()
         try:
             return self.client.propose(self._session_id, num_tokens, sampling, commit, min_confidence,
                                        self._timeout(), prefix, self.truncation)
@@ -192,12 +257,13 @@ class RemoteDraftProposer(Proposer):
             raise self._failure("Propose", exc) from exc
 
     def end(self) -> None:
+        """Never waits: a session still being started is ended once its start
+        returns (a hung drafter must not hold the request's answer up)."""
         if self._session_id is None:
             return
-        if self._started is not None:
-            try:
-                self._started.result()
-            except grpc.RpcError:
-                pass
-        self.client.end_session(self._session_id)
-        self._session_id = None
+        session_id, started = self._session_id, self._started
+        self._session_id = self._started = None
+        if started is not None and not started.done():
+            started.add_done_callback(lambda _: self.client.end_session(session_id))
+        else:
+            self.client.end_session(session_id)

@@ -305,6 +305,8 @@ class SpeculativeEngine:
             with telemetry.tracer.start_as_current_span("round") as span:
                 # 1. Plan the round: lookup tokens (free) first, then model drafts after
                 #    them, by fixed γ or by the controller; the verifier always adds one token.
+                #    (A proposer that cannot go on raises here, before anything is sent.)
+                proposer.keep_alive()
                 limit = max(0, request.max_new_tokens - len(output.token_ids) - 1)
                 lookup = proposer.lookup(context, limit)
                 plan = controller.plan(lookup, limit) if controller else fixed_plan(

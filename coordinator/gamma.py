@@ -136,6 +136,9 @@ class CostModel:
     # drafter's Info, then an EWMA over measured prefills.
     draft_prefill: float = 0.0
     draft_prefills_seen: int = 0
+    # Plan on the services' published curves alone, never on measured rounds: the
+    # choice of γ is then the same on every machine (tests, policy comparisons).
+    frozen: bool = False
 
     @classmethod
     def from_curves(cls, draft_ms: Sequence[float], verify_ms: Sequence[float],
@@ -150,7 +153,7 @@ class CostModel:
         return model
 
     def observe_draft_prefill(self, tokens: int, ms: float, rate: float = 0.2) -> None:
-        if tokens <= 0:
+        if tokens <= 0 or self.frozen:
             return
         self.draft_prefills_seen += 1
         self.draft_prefill += max(rate, 1 / self.draft_prefills_seen) * (ms / tokens - self.draft_prefill)
@@ -164,6 +167,8 @@ class CostModel:
         by the model (the rest were free lookups; None: all). Only calls that ran
         alone in their forwards teach the cost of γ: a batched call's time is the
         batch's, which the load accounts for."""
+        if self.frozen:
+            return
         model_tokens = gamma if model_tokens is None else model_tokens
         if model_tokens > 0 and draft_alone:
             self.draft.observe(model_tokens, draft_ms)

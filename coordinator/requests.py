@@ -16,6 +16,7 @@ PROPOSER_KINDS = {coordinator_pb2.PROPOSER_KIND_UNSPECIFIED: "", coordinator_pb2
                   coordinator_pb2.PROPOSER_KIND_MODEL: "model", coordinator_pb2.PROPOSER_KIND_NGRAM: "ngram"}
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_CHAT_MESSAGES = 4096  # a conversation's turns; its size in tokens is bounded by the context anyway
 
 
 # A long text is first tokenized up to this many characters per token of room.
@@ -64,6 +65,25 @@ def encode_within(tokenizer, text: str, room: int, limits: Limits, add_special_t
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+def check_chat_size(messages, room: int, limits: Limits) -> None:
+    """Refuse a conversation that cannot fit before templating it (templating
+    300,000 messages took 1.2 s, and held up other requests meanwhile): a
+    template writes each message's content, and at least one token for each."""
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise InvalidArgument(f"messages has {len(messages):,} entries; at most {MAX_CHAT_MESSAGES:,} are taken")
+    if len(messages) > room:
+        raise InvalidArgument(
+            f"messages has {len(messages):,} entries, at least a token each, which does not fit the {room:,} tokens "
+            f"the target's context window ({limits.max_context}) leaves after max_new_tokens; send fewer messages "
+            "or lower max_new_tokens")
+    chars = sum(len(m.content) for m in messages)
+    if chars > room * limits.max_token_chars:
+        raise InvalidArgument(
+            f"the messages' contents ({chars:,} characters, at least {-(-chars // limits.max_token_chars):,} "
+            f"tokens) do not fit the {room:,} tokens the target's context window ({limits.max_context}) leaves "
+            "after max_new_tokens; shorten the conversation or lower max_new_tokens")
+
+
 def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limits, room: int) -> list[int]:
     """The prompt's token ids; `room` is how many tokens the context leaves for it."""
     kind = request.WhichOneof("input")
@@ -77,6 +97,7 @@ def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limi
         messages = request.messages.messages
         if not messages:
             raise InvalidArgument("messages is empty")
+        check_chat_size(messages, room, limits)
         for i, m in enumerate(messages):
             if m.role not in CHAT_ROLES:
                 raise InvalidArgument(f"messages[{i}].role is {m.role!r}; expected one of {', '.join(CHAT_ROLES)}")

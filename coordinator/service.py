@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import grpc
@@ -19,7 +20,7 @@ from specdec.model_service import MAX_PROPOSE_TOKENS
 from specdec.ngram import RecentOutputs
 from specdec.proposer import Proposer, ProposerUnavailable
 from specdec.wire import Truncation
-from specdec.security import ClientTls, ServerTls
+from specdec.security import ClientTls, ServerTls, caller_identity
 from specdec.serving import MAX_PUBLIC_MESSAGE_BYTES, RunningServer, start_server
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -33,10 +34,11 @@ from coordinator.requests import (Limits, max_token_chars, request_attributes, r
 
 log = logging.getLogger("coordinator")
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
-# A drafter failing this way is dead, hung (our --drafter-timeout), restarted (our session is gone),
-# broken, or serving another model. (A refusal such as RESOURCE_EXHAUSTED is none of these.)
+# A drafter failing this way is dead, hung (our --drafter-timeout), broken, or serving another model.
+# (A refusal such as RESOURCE_EXHAUSTED is none of these; nor is NOT_FOUND, which one session's
+# loss gives: that request goes on without the model, every other request as it was.)
 DRAFTER_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                                grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                                 grpc.StatusCode.FAILED_PRECONDITION})
 
 
@@ -68,7 +70,11 @@ class CoordinatorConfig:
     # The draft distribution's support sent when sampling (specdec.wire.Truncation;
     # the default from `scripts/draft_truncation.py`: acceptance against bytes).
     draft_truncation: Truncation = Truncation(top_k=DEFAULT_DRAFT_TOP_K, top_p=DEFAULT_DRAFT_TOP_P)
-    lookup_history_tokens: int = 16384  # recent outputs searched by every request's lookups (0: none)
+    lookup_history_tokens: int = 0  # recent outputs searched by a caller's lookups (0: none)
+    # False: adaptive γ plans on the services' published cost curves alone and never
+    # learns from measured rounds, so it decides alike on every machine (tests pin
+    # the services' curves too, and get the same γ wherever they run).
+    learn_costs: bool = True
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
@@ -81,6 +87,8 @@ class CoordinatorConfig:
 
 
 DEFAULT_GAMMA_MAX = 8  # without a measured cost curve
+DEFAULT_KEEP_ALIVE_S = 30.0  # a drafter that does not say its session TTL: renew this often
+MAX_HISTORY_CALLERS = 256  # callers whose recent outputs are kept (the least recently seen dropped)
 
 
 def curve_gamma_max(forward_ms) -> int:
@@ -104,9 +112,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.metrics = Metrics()
         cost = CostModel.from_curves(list(draft.forward_ms) if draft else [], list(target.forward_ms),
                                      draft.prefill_ms_per_token if draft else 0.0)
+        cost.frozen = not config.learn_costs
         self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids),
                                         self.metrics, on_proposer_failure=self._proposer_failed, cost=cost)
-        self.recent = RecentOutputs(config.lookup_history_tokens)  # searched by every request's lookups
+        # Recent outputs, one history per authenticated caller (LRU-bounded): a lookup
+        # drafts from them, which shows in timing and stats, so a caller searches its own.
+        self._recent: OrderedDict[str, RecentOutputs] = OrderedDict()
+        self._recent_lock = threading.Lock()
         self._in_flight = 0  # Generate calls admitted and not yet finished
         self._idle = threading.Condition()
         for name, watch in (("verifier", backends.verifier_watch), ("drafter", backends.drafter_watch)):
@@ -115,12 +127,24 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 gauge.set(1)
                 watch.on_change(lambda up, gauge=gauge: gauge.set(int(up)))
 
-    def _proposer(self, domain: GenerationRequest, timeout) -> tuple[Proposer | None, str]:
+    def recent_outputs(self, caller: str) -> RecentOutputs | None:
+        """The recent outputs `caller`'s lookups search (None: none are kept)."""
+        if self.config.lookup_history_tokens <= 0:
+            return None
+        with self._recent_lock:
+            recent = self._recent.pop(caller, None) or RecentOutputs(self.config.lookup_history_tokens)
+            self._recent[caller] = recent  # the most recently used last
+            while len(self._recent) > MAX_HISTORY_CALLERS:
+                self._recent.popitem(last=False)
+            return recent
+
+    def _proposer(self, domain: GenerationRequest, timeout, caller: str = "") -> tuple[Proposer | None, str]:
         """The request's proposer (as it asks, or the server's), or None and why not."""
         kind = domain.proposer or self.config.proposer
         # A seeded sample must not depend on what other requests wrote: its drafts
         # (and so its draws) come from its own tokens only.
-        recent = None if domain.sampling.seed is not None and not domain.sampling.greedy else self.recent
+        seeded = domain.sampling.seed is not None and not domain.sampling.greedy
+        recent = None if seeded else self.recent_outputs(caller)
         lookups = HybridProposer(None, recent)
         if kind == NGRAM:
             return lookups, ""
@@ -135,8 +159,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             why = "the drafter was down when this request started; "
             return (None, why + "it went target-only (same output, slower)") if kind == MODEL else \
                 (lookups, why + "it drafted with n-gram lookups alone (same output)")
+        ttl = self.backends.draft_info.session_ttl_s if self.backends.draft_info else 0.0
         model = RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint, timeout,
-                                    self.config.drafter_timeout_s, self.config.draft_truncation)
+                                    self.config.drafter_timeout_s, self.config.draft_truncation,
+                                    keep_alive_s=ttl / 4 if ttl > 0 else DEFAULT_KEEP_ALIVE_S,
+                                    is_up=lambda: self.backends.drafter_up)
         return (model if kind == MODEL else HybridProposer(model, recent)), ""
 
     def _proposer_failed(self, exc: ProposerUnavailable) -> None:
@@ -188,7 +215,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     return None
                 return remaining
             request_id = uuid.uuid4().hex
-            proposer, fallback = self._proposer(domain, timeout) if domain.gamma_max > 0 else (None, "")
+            proposer, fallback = self._proposer(domain, timeout, caller_identity(context)) \
+                if domain.gamma_max > 0 else (None, "")
             last = None
             for last in self.engine.generate(domain, proposer, timeout, lambda: not context.is_active(), request_id,
                                              fallback):

@@ -103,20 +103,29 @@ class Scheduler:
 
     def _turn(self) -> None:
         """One forward's worth of work, then this schedules itself again while any
-        call is in flight (so other work queued for the torch thread interleaves)."""
-        with self._lock:
-            incoming, self._incoming = self._incoming, []
-        for call in incoming:
-            self._advance(call, lambda c: next(c.steps))
-        self._active = [c for c in self._active + incoming if c.pending is not None]
-        if self._active:
-            self._forward(self._pick(sorted(self._active, key=lambda c: c.ready_at)))
+        call is in flight (so other work queued for the torch thread interleaves).
+        Whatever raises in here, the scheduler stays consistent: the calls it was
+        running hear the error, and the next call schedules a turn again."""
+        try:
+            with self._lock:
+                incoming, self._incoming = self._incoming, []
+            self._active += incoming
+            for call in incoming:
+                self._advance(call, lambda c: next(c.steps))
             self._active = [c for c in self._active if c.pending is not None]
-        with self._lock:
-            if self._active or self._incoming:
-                torch_thread.submit(self._turn)
-            else:
-                self._scheduled = False
+            if self._active:
+                self._forward(self._pick(sorted(self._active, key=lambda c: c.ready_at)))
+                self._active = [c for c in self._active if c.pending is not None]
+        except BaseException as exc:  # a bug of the scheduler's own (its cost curve, say): fail its calls, not itself
+            for call in self._active:
+                self._finish(call, error=exc)
+            self._active = []
+        finally:
+            with self._lock:
+                if self._active or self._incoming:
+                    torch_thread.submit(self._turn)
+                else:
+                    self._scheduled = False
 
     def _pick(self, waiting: list[_Call]) -> list[_Call]:
         """The longest-waiting calls, as many as run within TOLERANCE of the lowest
@@ -153,34 +162,52 @@ class Scheduler:
             s.forwards, s.rows, s.max_rows = s.forwards + 1, s.rows + rows, max(s.max_rows, rows)
             s.calls += len(ready)
             s.queue_ms += (started - call.ready_at) * 1e3
-        forwards = [c.pending for c in ready]
-        try:
-            if self.batch_forward is not None and len(forwards) > 1:
-                outputs = self.batch_forward(forwards)
-            else:
-                outputs = [f.run() for f in forwards]
-        except BaseException as exc:  # the forward itself failed: every call in it hears why
-            for call in ready:
+        if self.batch_forward is not None and len(ready) > 1:
+            try:
+                outputs = self.batch_forward([c.pending for c in ready])
+            except Exception:
+                # One call's rows can fail a batch (a bad id, out of memory): run each
+                # alone, so only the call that fails hears of it. A batched forward
+                # that fails leaves every cache as it was (LeanForward.batch).
+                outputs = None
+            if outputs is not None:
+                self._forwarded(rows, len(ready))
+                for call, logits in zip(ready, outputs):
+                    self._advance(call, lambda c, out=logits: c.steps.send(out))
+                return
+        for call in ready:
+            try:
+                logits = call.pending.run()
+            except BaseException as exc:
                 self._advance(call, lambda c, e=exc: c.steps.throw(e))
-            return
-        self.forwards += 1
-        self.forward_rows += rows
-        self.on_forward(rows, len(ready))
-        for call, logits in zip(ready, outputs):
+                continue
+            self._forwarded(len(call.pending.feed), 1)
             self._advance(call, lambda c, out=logits: c.steps.send(out))
 
-    @staticmethod
-    def _advance(call: _Call, step: Callable[[_Call], Forward]) -> None:
+    def _forwarded(self, rows: int, calls: int) -> None:
+        self.forwards += 1
+        self.forward_rows += rows
+        try:
+            self.on_forward(rows, calls)
+        except Exception:  # metrics must never fail a call
+            pass
+
+    @classmethod
+    def _advance(cls, call: _Call, step: Callable[[_Call], Forward]) -> None:
         """Run the call's own code up to its next Forward, or to its end."""
         try:
-            call.pending = step(call)
-            call.ready_at = time.perf_counter()
-            return
+            pending = step(call)
+            if not isinstance(pending, Forward):
+                raise TypeError(f"a call's steps yielded {type(pending).__name__}, not a Forward")
+            call.pending, call.ready_at = pending, time.perf_counter()
         except StopIteration as done:
-            call.result = done.value
+            cls._finish(call, result=done.value)
         except BaseException as exc:
-            call.error = exc
-        call.pending = None
+            cls._finish(call, error=exc)
+
+    @staticmethod
+    def _finish(call: _Call, result: object = None, error: BaseException | None = None) -> None:
+        call.result, call.error, call.pending = result, error, None
         call.done.set()
 
 

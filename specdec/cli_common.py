@@ -9,6 +9,7 @@ from typing import Callable
 
 from specdec import telemetry, torch_thread
 from specdec.errors import SpecdecError
+from specdec.model_service import CostCurve
 from specdec.models import LoadedModel, load_model
 from specdec.security import ServerTls
 from specdec.serving import RunningServer, catch_stop_signals, run_until_signal, serve_health
@@ -70,6 +71,10 @@ def add_model_args(parser: argparse.ArgumentParser, default_quantize: str) -> No
     parser.add_argument("--cost-curve-rows", type=int, default=17,
                         help="at warm-up, time one forward over 1..N new rows and publish the curve in Info, "
                              "for the coordinator's choice of γ (0 = do not measure)")
+    parser.add_argument("--cost-curve", type=CostCurve.parse, metavar="MS,MS,...[:PREFILL_MS]",
+                        help="publish this cost curve (ms of one forward over 1, 2, ... rows; the prefill's ms "
+                             "per token) instead of timing one at warm-up; default: $SPECDEC_DRAFTER_COST_CURVE "
+                             "or $SPECDEC_VERIFIER_COST_CURVE where set")
     parser.add_argument("--kv-cache-mb", type=float, default=0.0,
                         help="KV cache budget of all sessions together; growth past it is refused with "
                              "RESOURCE_EXHAUSTED (0 = 40%% of the memory available at start)")
@@ -96,7 +101,8 @@ def run_model_service(name: str, args: argparse.Namespace,
         stopping = catch_stop_signals()
         running = serve(loaded, host=args.host, port=args.port, session_ttl_s=args.session_ttl,
                         max_sessions=args.max_sessions, tls=tls, uds=args.uds,
-                        cost_curve_rows=args.cost_curve_rows, kv_cache_mb=args.kv_cache_mb,
+                        cost_curve_rows=args.cost_curve_rows, cost_curve=args.cost_curve,
+                        kv_cache_mb=args.kv_cache_mb,
                         prefill_chunk=args.prefill_chunk, max_batch_rows=args.max_batch_rows)
         start_health(running, args)
     except (SpecdecError, ValueError, OSError) as exc:

@@ -46,6 +46,10 @@ class HybridProposer(Proposer):
         if self.model is not None:
             self.model.ready()
 
+    def keep_alive(self) -> None:
+        if self.model is not None:
+            self.model.keep_alive()
+
     def lookup(self, context: Sequence[int], max_tokens: int) -> Lookup:
         self.index.extend(context[len(self.index) :])
         own = self.index.match(self.index.tokens, max_tokens)

@@ -177,7 +177,8 @@ class Int8RestrictedHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [..., hidden] -> logits [..., vocab_size]
         kept = self.head(hidden)
-        logits = torch.full((*hidden.shape[:-1], self.vocab_size), float("-inf"), dtype=kept.dtype)
+        logits = torch.full((*hidden.shape[:-1], self.vocab_size), float("-inf"), dtype=kept.dtype,
+                            device=kept.device)
         return logits.index_copy_(-1, self.keep_ids, kept)
 
     def extra_repr(self) -> str:

@@ -207,6 +207,18 @@ class LeanForward:
         cached prefix. keep_last_i may be 0 (a prefill chunk: no logits)."""
         for ids, cache, keep_last in items:
             assert ids.ndim == 1 and ids.shape[0] > 0 and 0 <= keep_last <= ids.shape[0], (ids.shape, keep_last)
+        lengths = [cache.length for _, cache, _ in items]
+        try:
+            return self._batch(items)
+        except BaseException:
+            # A forward that fails (out of memory, a kernel's error) leaves every cache
+            # at the length it had: the KV written past it is never read, and a rerun
+            # writes it again. The caller's session is then as before the call.
+            for (_, cache, _), length in zip(items, lengths):
+                cache.length = length
+            raise
+
+    def _batch(self, items: list[tuple[torch.Tensor, StaticKVCache, int]]) -> list[torch.Tensor]:
         spans = []                                                                       # (rows, start, end)
         for ids, cache, _ in items:
             rows, start = ids.shape[0], cache.length

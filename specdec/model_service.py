@@ -3,6 +3,7 @@ session lifecycle around a store with a TTL. Each service adds its own calls."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ class ModelServiceBase(Generic[S]):
             forwards=self.scheduler.forwards, forward_rows=self.scheduler.forward_rows,
             pending_calls=self.scheduler.pending_calls,
             kv_tokens_used=self.pool.used_tokens if self.pool else 0,
-            kv_tokens_budget=self.pool.budget_tokens if self.pool else 0)
+            kv_tokens_budget=self.pool.budget_tokens if self.pool else 0, session_ttl_s=self.sessions.ttl_s)
 
     def GetTokenizer(self, request, context) -> common_pb2.TokenizerFiles:
         if self._tokenizer_files is None:
@@ -116,6 +117,9 @@ class ModelServiceBase(Generic[S]):
             except BaseException:
                 session.restore(state)
                 raise
+
+    def KeepAlive(self, request, context) -> common_pb2.KeepAliveResponse:
+        return common_pb2.KeepAliveResponse(existed=self.sessions.touch(request.session_id))
 
     def EndSession(self, request, context) -> common_pb2.EndSessionResponse:
         return common_pb2.EndSessionResponse(existed=self.sessions.remove(request.session_id))
@@ -172,8 +176,33 @@ class CostCurve:
     forward_ms: list[float]        # [rows] one forward over 1..rows new rows after the prefix
     prefill_ms_per_token: float    # the prefix's prefill, per token
 
+    @classmethod
+    def parse(cls, text: str) -> "CostCurve":
+        """'MS,MS,...[:PREFILL_MS]': ms of one forward over 1, 2, ... rows, and
+        optionally the prefill's ms per prompt token (default: the 1-row ms)."""
+        curve, _, prefill = text.strip().partition(":")
+        try:
+            forward = [float(v) for v in curve.split(",") if v.strip()]
+            per_token = float(prefill) if prefill.strip() else (forward[0] if forward else 0.0)
+        except ValueError:
+            forward, per_token = [], -1.0
+        if not forward or per_token < 0 or any(not ms > 0 for ms in forward):
+            raise ValueError(f"a cost curve is 'MS,MS,...[:PREFILL_MS]' with positive ms, got {text!r}")
+        return cls(forward, per_token)
 
-def cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> CostCurve:
+
+# A pinned curve for each service, read where no --cost-curve is given: set for a
+# whole test run (or a fleet's start), it reaches every service, in-process or not.
+COST_CURVE_ENV = {"Drafter": "SPECDEC_DRAFTER_COST_CURVE", "Verifier": "SPECDEC_VERIFIER_COST_CURVE"}
+
+
+def pinned_curve(service_name: str) -> CostCurve | None:
+    """The curve the environment pins for this service (its COST_CURVE_ENV variable), if any."""
+    value = os.environ.get(COST_CURVE_ENV.get(service_name.rsplit(".", 1)[-1], ""), "")
+    return CostCurve.parse(value) if value.strip() else None
+
+
+def measure_cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> CostCurve:
     """The least ms of `repeats` forwards over 1..rows new rows after a CURVE_PREFIX-token
     prefix: what verifying γ = rows - 1 drafts costs, or a draft step (1 row).
     Rows are not free in every precision (int4 takes 4 a kernel pass), so the
@@ -206,8 +235,10 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
                 loaded: LoadedModel, host: str = "127.0.0.1", port: int = 0, session_ttl_s: float = 600.0,
                 max_sessions: int = 256, tls: ServerTls | None = None, uds: str | None = None,
                 cost_curve_rows: int = 0, kv_cache_mb: float = 0.0, prefill_chunk: int = PREFILL_CHUNK,
-                max_batch_rows: int = MAX_BATCH_ROWS) -> RunningServer:
-    """Start a model service; it reports SERVING only once the model is warm."""
+                max_batch_rows: int = MAX_BATCH_ROWS, cost_curve: CostCurve | None = None) -> RunningServer:
+    """Start a model service; it reports SERVING only once the model is warm.
+    `cost_curve`: publish this curve instead of timing one at warm-up (None: the
+    one the environment pins, else timed over `cost_curve_rows` rows)."""
     warn_if_exposed(service_name, host, tls, uds)
     if prefill_chunk < 1 or max_batch_rows < 1:
         raise ValueError(f"--prefill-chunk ({prefill_chunk}) and --max-batch-rows ({max_batch_rows}) must be >= 1")
@@ -221,10 +252,11 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
                            max_workers=max_sessions + 8, tls=tls, uds=uds)
     running.on_stop = store.close
     torch_thread.run(warm_up, loaded)
-    servicer.curve = torch_thread.run(cost_curve, loaded, cost_curve_rows)
-    log.info("%s: forward ms by rows (1..%d): %s; prefill %.2f ms a token", service_name,
+    pinned = cost_curve or pinned_curve(service_name)
+    servicer.curve = pinned or torch_thread.run(measure_cost_curve, loaded, cost_curve_rows)
+    log.info("%s: forward ms by rows (1..%d): %s; prefill %.2f ms a token%s", service_name,
              len(servicer.curve.forward_ms), ", ".join(f"{ms:.1f}" for ms in servicer.curve.forward_ms),
-             servicer.curve.prefill_ms_per_token)
+             servicer.curve.prefill_ms_per_token, " (pinned, not measured)" if pinned else "")
     if servicer.curve.forward_ms:  # batches sized on the measured curve
         scheduler.cost = RowCost(servicer.curve.forward_ms)
     if pool is not None:

@@ -109,6 +109,10 @@ class Proposer(abc.ABC):
         decided so far), if this proposer has a free source."""
         return Lookup()
 
+    def keep_alive(self) -> None:
+        """Between rounds: keep what the proposer holds remotely alive while the
+        request runs; raise ProposerUnavailable if it cannot go on."""
+
     def free_only(self) -> "Proposer | None":
         """This proposer without its draft model (whose prefill does not pay, or
         which failed): its free sources alone, or None if it has none."""

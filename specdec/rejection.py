@@ -40,7 +40,8 @@ def rejection_sample(
 
     # One uniform per position, drawn up front: the stream of draws (and so a
     # seeded result) does not depend on where the first rejection falls.
-    uniforms = torch.rand(gamma, generator=generator, device=target_probs.device)
+    # (On the generator's device, which draws only there; then the probabilities'.)
+    uniforms = torch.rand(gamma, generator=generator, device=generator.device).to(target_probs.device)
     positions = torch.arange(gamma, device=target_probs.device)
     target_at_draft = target_probs[positions, draft_token_ids]   # [gamma]
     draft_at_draft = draft_probs[positions, draft_token_ids]     # [gamma]

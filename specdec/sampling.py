@@ -8,6 +8,7 @@ own logits processors, and both services call it.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 from dataclasses import dataclass
@@ -25,6 +26,9 @@ from transformers.generation.logits_process import (
 from specdec.errors import InvalidArgument
 
 MAX_TOP_K = 1 << 20
+# The smallest temperature and repetition penalty taken: the smallest normal
+# float32 (the wire's type). Below it a float32 loses precision (subnormals).
+MIN_SCALE = 2.0 ** -126
 
 
 @dataclass(frozen=True)
@@ -44,31 +48,43 @@ class SamplingConfig:
         t, p, k, r = self.temperature, self.top_p, self.top_k, self.repetition_penalty
         if not math.isfinite(t) or t < 0:
             raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
+        if 0 < t < MIN_SCALE:
+            raise InvalidArgument(f"temperature {t:g} is below the smallest one taken ({MIN_SCALE:.4g}, the smallest "
+                                  "normal float32); send 0 for greedy decoding")
         if not math.isfinite(p) or not 0.0 < p <= 1.0:
             raise InvalidArgument(f"top_p must be in (0, 1], got {p}")
         if k < 0 or k > MAX_TOP_K:
             raise InvalidArgument(f"top_k must be between 0 (off) and {MAX_TOP_K}, got {k}")
         if not math.isfinite(r) or r <= 0:
             raise InvalidArgument(f"repetition_penalty must be a finite number > 0 (1 = off), got {r}")
+        if r < MIN_SCALE:
+            raise InvalidArgument(f"repetition_penalty {r:g} is below the smallest one taken ({MIN_SCALE:.4g}, the "
+                                  "smallest normal float32)")
         return self
 
 
-# Distinct streams per role, derived from the one request seed.
-SEED_SALT = {"drafter": 0x5EED_D4AF, "verifier": 0x5EED_7E21}
+ROLES = ("drafter", "verifier")  # one random stream each, derived from the one request seed
+
+
+def generator_seed(seed: int, role: str) -> int:
+    """The generator seed of `role` for a request seed: a hash of all 64 bits of
+    the seed and the role. torch's CPU generator (mt19937) keeps only the low 32
+    bits of its seed, so seeds that differ above bit 31 must differ there too."""
+    assert role in ROLES, role
+    digest = hashlib.blake2b(f"specdec:{role}:{seed}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 def make_generator(config: SamplingConfig, role: str, device: torch.device | str = "cpu") -> torch.Generator:
-    seed = config.seed if config.seed is not None else secrets.randbits(63)
+    seed = config.seed if config.seed is not None else secrets.randbits(64)
     generator = torch.Generator(device=device)
-    generator.manual_seed((seed ^ SEED_SALT[role]) & ((1 << 63) - 1))
+    generator.manual_seed(generator_seed(seed, role))
     return generator
 
 
-def _processors(config: SamplingConfig) -> LogitsProcessorList:
-    # Same order as transformers' generate(): processors, then warpers.
+def _warpers(config: SamplingConfig) -> LogitsProcessorList:
+    # Same order as transformers' generate(): the penalty first, then these.
     steps = LogitsProcessorList()
-    if config.repetition_penalty != 1.0:
-        steps.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
     if not config.greedy:
         if config.temperature != 1.0:
             steps.append(TemperatureLogitsWarper(config.temperature))
@@ -89,19 +105,29 @@ def transform_logits(
     n = logits.shape[0]
     assert logits.dim() == 2 and len(row_tokens) >= n - 1, (logits.shape, len(row_tokens))
     scores = logits[:, :vocab_size].float()
-    steps = _processors(config)
-    if not steps:
+    penalty = config.repetition_penalty != 1.0
+    warpers = _warpers(config)
+    if not penalty and not warpers:
         return scores
-    out = torch.empty_like(scores)
-    # Only the repetition penalty reads the history; skip building it otherwise.
-    needs_history = config.repetition_penalty != 1.0
-    prefix = list(history) if needs_history else []
-    for i in range(n):
-        ids = torch.tensor([prefix], dtype=torch.long, device=scores.device)
-        out[i] = steps(ids, scores[i : i + 1].clone())[0]
-        if needs_history and i < len(row_tokens):
-            prefix.append(int(row_tokens[i]))
-    return out
+    # Stable for every temperature and penalty validate() takes: in float64 a
+    # logit divided by a penalty down to 2^-126 stays finite, and with each row's
+    # maximum subtracted before the temperature divides, a temperature down to
+    # 2^-126 gives the greedy limit (0 at the maximum, -inf or far below it
+    # elsewhere) instead of inf - inf = NaN.
+    scores = scores.double()
+    if penalty:
+        apply = RepetitionPenaltyLogitsProcessor(config.repetition_penalty)
+        prefix = list(history)
+        for i in range(n):
+            ids = torch.tensor([prefix], dtype=torch.long, device=scores.device)
+            scores[i : i + 1] = apply(ids, scores[i : i + 1].clone())
+            if i < len(row_tokens):
+                prefix.append(int(row_tokens[i]))
+    if warpers:
+        scores = scores - scores.amax(dim=-1, keepdim=True)
+        empty = torch.empty((n, 0), dtype=torch.long, device=scores.device)  # the warpers read no history
+        scores = warpers(empty, scores)
+    return scores.float()
 
 
 def scores_to_probs(scores: torch.Tensor) -> torch.Tensor:
@@ -118,7 +144,10 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
     running sum exact to ~1e-16, far below the fp16 rounding the proposal carries."""
     assert probs.dim() == 1, probs.shape
     cumulative = probs.double().cumsum(0)                                       # [V]
-    point = torch.rand((), generator=generator, device=probs.device, dtype=torch.float64) * cumulative[-1]
+    # The uniform is drawn where the generator lives (a CUDA generator draws only
+    # on its device), whatever device `probs` is on (a sparse entry's: the CPU).
+    uniform = torch.rand((), generator=generator, device=generator.device, dtype=torch.float64)
+    point = uniform.to(cumulative.device) * cumulative[-1]
     # The first id whose running sum exceeds the point: ids of zero probability add
     # nothing to the sum, so they are never drawn.
     index = int(torch.searchsorted(cumulative, point, right=True))

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -180,3 +181,16 @@ def warn_if_exposed(service: str, host: str, tls: ServerTls | None, uds: str | N
                     "and --tls-client-ca.", service, host)
     elif not tls:
         log.info("%s on %s: any local user can call it; --uds in a private directory keeps them out", service, host)
+
+
+def caller_identity(context: grpc.ServicerContext) -> str:
+    """Who a call authenticated as: its client certificate's identity (mutual TLS),
+    else a digest of its bearer token, else "" (no authentication: every caller is
+    the same one). What one caller may learn of another's requests is scoped by it."""
+    peers = context.peer_identities()
+    if peers:
+        return "x509:" + ",".join(p.decode("utf-8", "replace") for p in peers)
+    token = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+    if isinstance(token, str) and token:
+        return "bearer:" + hashlib.sha256(token.encode("utf-8")).hexdigest()[:16]
+    return ""

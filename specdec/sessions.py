@@ -55,6 +55,9 @@ class SessionStore(Generic[T]):
             self._entries[session_id] = entry
         try:
             entry.value = factory()
+            # Idle from now, not from when the id was reserved: a prefill longer
+            # than the TTL must not leave a session the reaper takes at once.
+            entry.last_used = self._clock()
         except BaseException:
             with self._lock:
                 self._entries.pop(session_id, None)
@@ -79,6 +82,14 @@ class SessionStore(Generic[T]):
                 yield entry.value
             finally:
                 entry.last_used = self._clock()
+
+    def touch(self, session_id: str) -> bool:
+        """Renew a session's time to live without waiting for a call that holds it."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is not None:
+                entry.last_used = self._clock()
+            return entry is not None
 
     def remove(self, session_id: str) -> bool:
         with self._lock:

@@ -3,6 +3,7 @@ on loopback ports (in this process, so a test run stays fast)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -15,9 +16,28 @@ import drafter.service
 import verifier.service
 from coordinator.backends import Backends
 from coordinator.service import CoordinatorConfig, serve as serve_coordinator
+from specdec.model_service import CostCurve
 from specdec.models import LoadedModel, load_model
 from specdec.serving import RunningServer, channel
 from specdec.v1 import coordinator_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc
+
+
+# A machine on which drafting never pays: a draft step at ten target steps, and a
+# drafter prefill dearer than what drafting could save. `pytest --slow-draft-curves`
+# pins these in every model service of the run (in-process and subprocesses), so
+# that no test can pass only because this machine's timings made the adaptive γ draft.
+SLOW_DRAFT_CURVES = {"SPECDEC_DRAFTER_COST_CURVE": "200,210,220,230,240:50",
+                     "SPECDEC_VERIFIER_COST_CURVE": "20,21,22,23,24,25,26,27,28:2"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow-draft-curves", action="store_true",
+                     help="pin cost curves on which the adaptive γ never drafts with the model (see conftest)")
+
+
+def pytest_configure(config):
+    if config.getoption("--slow-draft-curves"):
+        os.environ.update(SLOW_DRAFT_CURVES)
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +77,26 @@ def stack(tiny_target, tiny_draft):
     backends.close()
     for server in (c, d, v):
         server.stop(0)
+
+
+# Curves on which drafting with the model pays: a draft step at a tenth of a target step.
+CHEAP_DRAFT_MS, TARGET_MS = [1.0, 1.1], [10.0, 10.5, 11.0, 11.5, 12.0, 12.5, 13.0, 13.5, 14.0]
+
+
+@contextlib.contextmanager
+def pinned_services(tiny_draft, tiny_target, draft_ms=CHEAP_DRAFT_MS, target_ms=TARGET_MS,
+                    draft_prefill_ms: float = 0.05) -> Iterator[dict]:
+    """A drafter and a verifier publishing the given cost curves (not this machine's,
+    nor the environment's): with a coordinator that does not learn costs
+    (learn_costs=False), the adaptive γ decides alike on every machine. Yields the
+    coordinator's drafter= and verifier= addresses."""
+    servers = [drafter.service.serve(tiny_draft, cost_curve=CostCurve(list(draft_ms), draft_prefill_ms)),
+               verifier.service.serve(tiny_target, cost_curve=CostCurve(list(target_ms), 1.0))]
+    try:
+        yield {"drafter": f"127.0.0.1:{servers[0].port}", "verifier": f"127.0.0.1:{servers[1].port}"}
+    finally:
+        for server in servers:
+            server.stop(0)
 
 
 def free_port() -> int:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.v1 import common_pb2, coordinator_pb2 as pb, drafter_pb2, verifier_pb2
-from tests.conftest import rpc_error
+from tests.conftest import wait_for, rpc_error
 
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 
@@ -51,6 +52,19 @@ BAD_GENERATE = {
     "NaN top_p": (pb.GenerateRequest(prompt="hi", sampling=sampling(temperature=1, top_p=math.nan)), "top_p"),
     "empty role": (pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="", content="x")])),
                    "messages[0].role is ''"),
+    # Refused by their size before the chat template runs (its own errors would read otherwise).
+    "too many messages": (pb.GenerateRequest(messages=pb.ChatMessages(
+        messages=[pb.ChatMessage(role="user", content="hi")] * 5000)), "messages has 5,000 entries; at most 4,096"),
+    "more messages than the context has tokens": (pb.GenerateRequest(max_new_tokens=24, messages=pb.ChatMessages(
+        messages=[pb.ChatMessage(role="wizard", content="hi")] * 1001)), "messages has 1,001 entries, at least a token"),
+    "messages longer than the context": (pb.GenerateRequest(max_new_tokens=24, messages=pb.ChatMessages(
+        messages=[pb.ChatMessage(role="wizard", content="z" * 200_000)] * 2)), "the messages' contents (400,000"),
+    "a temperature below float32's normal range": (
+        pb.GenerateRequest(prompt="hi", sampling=sampling(temperature=1e-40)),
+        "below the smallest one taken (1.175e-38"),
+    "a repetition penalty below float32's normal range": (
+        pb.GenerateRequest(prompt="hi", sampling=sampling(temperature=0.7, repetition_penalty=1e-39)),
+        "repetition_penalty 1e-39 is below the smallest one taken"),
 }
 # Over the public port's message limit (4 MiB): gRPC itself refuses them.
 OVERSIZED = {
@@ -67,8 +81,8 @@ def assert_healthy_and_empty(stack):
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
     ok = stack.coordinator_stub.Generate(pb.GenerateRequest(prompt="still fine?", max_new_tokens=4), timeout=30)
     assert len(ok.token_ids) > 0
-    for stub in (stack.drafter_stub, stack.verifier_stub):
-        assert stub.Info(common_pb2.InfoRequest(), timeout=5).active_sessions == 0
+    for stub in (stack.drafter_stub, stack.verifier_stub):  # sessions end right after the answer
+        assert wait_for(lambda: stub.Info(common_pb2.InfoRequest(), timeout=5).active_sessions == 0, 5)
 
 
 @pytest.mark.parametrize("name", list(BAD_GENERATE))
@@ -116,6 +130,11 @@ def sessions(stack):
 def test_internal_bad_arguments(stack, sessions):
     hot = sampling(temperature=1.0)
     nan_probs = bytes.fromhex("007e") * 512  # fp16 NaN
+    uniform = np.full(512, 1 / 512, dtype="<f2").tobytes()
+    zero_at_1 = np.array([0.5, 0.0, 0.5] + [0.0] * 509, dtype="<f2").tobytes()
+
+    def dense(data: bytes) -> common_pb2.DraftProbs:
+        return common_pb2.DraftProbs(probs_fp16=data)
     cases = [
         (stack.drafter_stub.Propose, drafter_pb2.ProposeRequest(session_id=sessions, num_tokens=33, sampling=hot),
          "num_tokens=33 is over the limit of 32"),
@@ -123,22 +142,30 @@ def test_internal_bad_arguments(stack, sessions):
             session_id=sessions, num_tokens=1, sampling=hot, commit=drafter_pb2.Commit(num_accepted=3)),
          "commit.num_accepted=3 but only 0 tokens were drafted"),
         (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(
-            session_id=sessions, draft_token_ids=[1, 2], draft_probs_fp16=b"\x00" * 100, sampling=hot),
-         "draft_probs_fp16 has 100 bytes; expected 2048"),
+            session_id=sessions, draft_token_ids=[1], draft_probs=[dense(b"\x00" * 100)], sampling=hot),
+         "draft_probs[0] has 100 bytes; expected 1024"),
         (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(
-            session_id=sessions, draft_token_ids=[1], draft_probs_fp16=nan_probs, sampling=hot),
+            session_id=sessions, draft_token_ids=[1], draft_probs=[dense(nan_probs)], sampling=hot),
          "NaN"),
         (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(
             session_id=sessions, draft_token_ids=[9999], sampling=sampling()), "outside the vocabulary"),
         (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(
-            session_id=sessions, draft_token_ids=[1], draft_probs_fp16=b"\x00\x3c", sampling=sampling()),
+            session_id=sessions, draft_token_ids=[1], draft_probs=[dense(uniform)], sampling=sampling()),
          "must be empty when temperature is 0"),
         (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(  # 2 drafts, probabilities for 3
-            session_id=sessions, draft_token_ids=[1, 2], draft_probs_fp16=b"\x00\x3c" * 3 * 512, sampling=hot),
-         "draft_probs_fp16 has 3072 bytes; expected 2048 for 2 draft tokens x vocab 512"),
+            session_id=sessions, draft_token_ids=[1, 2], draft_probs=[dense(uniform)] * 3, sampling=hot),
+         "draft_probs has 3 entries for 2 draft tokens"),
         (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(  # a vocabulary of the wrong size
-            session_id=sessions, draft_token_ids=[1], draft_probs_fp16=b"\x00\x3c" * 520, sampling=hot),
+            session_id=sessions, draft_token_ids=[1], draft_probs=[dense(b"\x00\x3c" * 520)], sampling=hot),
          "expected 1024 for 1 draft tokens x vocab 512"),
+        (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(  # the drafted token could not have been drawn
+            session_id=sessions, draft_token_ids=[1], draft_probs=[dense(zero_at_1)], sampling=hot),
+         "draft_probs[0] gives its drafted token 1 probability 0"),
+        (stack.verifier_stub.Verify,  # the dense field of old (3, reserved) is no proposal: nothing was sent
+         verifier_pb2.VerifyRequest.FromString(
+             verifier_pb2.VerifyRequest(session_id=sessions, draft_token_ids=[1], sampling=hot).SerializeToString()
+             + b"\x1a\x04\x00\x3c\x00\x3c"),
+         "draft_probs has 0 entries for 1 draft tokens"),
         (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(
             session_id=sessions, draft_token_ids=[1] * 40, sampling=sampling()), "40 draft tokens is over the limit"),
         (stack.drafter_stub.Propose, drafter_pb2.ProposeRequest(

@@ -38,9 +38,16 @@ def test_bench_quick_on_the_tiny_pair(tmp_path, capsys):
     assert all(0 < r["new_tokens"] <= 32 and r["seconds"] > 0 for r in runs)
 
     rows = {(r["category"], r["temperature"], r["system"]): r for r in report["summary"]}
-    for system in ("spec-g2", "spec-g4", "spec-g6", "spec-auto", "spec-auto-model"):
+    # Whether the adaptive systems draft at all is the policy's call on this machine's
+    # cost curves: what holds for every system is asserted for all, the draft
+    # columns on the fixed γ's, which always draft.
+    for system in ("spec-auto", "spec-auto-model"):
         greedy = rows[("all", 0.0, system)]
         assert greedy["greedy_identical"] == "2/2"          # lossless through the real services
+        assert greedy["speedup_vs_target_only"] > 0 and greedy["first_token_vs_target_only"] > 0
+    for system in ("spec-g2", "spec-g4", "spec-g6"):
+        greedy = rows[("all", 0.0, system)]
+        assert greedy["greedy_identical"] == "2/2"
         assert 0 < greedy["acceptance_rate"] <= 1
         assert 1 <= greedy["mean_accepted_length"] <= 9
         shares = sum(greedy[f"{k}_share"] for k in ("prefill", "draft", "verify", "overhead"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import grpc
 import pytest
@@ -15,8 +16,8 @@ from tests.test_metrics import scrape
 LONG = 1000
 
 
-def long_request(**kw) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=LONG, ignore_eos=True,
+def long_request(max_new_tokens: int = LONG, **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=max_new_tokens, ignore_eos=True,
                               speculation=pb.Speculation(gamma=2), **kw)
 
 
@@ -53,14 +54,22 @@ def test_cancelled_stream_stops_within_a_round_and_frees_both_sessions(stack, co
 
 
 def test_deadline_stops_the_request_and_frees_both_sessions(stack, coordinator):
-    error = rpc_error(coordinator.stub.Generate, long_request(), timeout=0.3)
+    # The deadline is set by what this machine takes for a short request (its prefill
+    # and a few rounds), not in seconds: twice that is past the first round of the
+    # long one, and far from its end, on any machine.
+    started = time.monotonic()
+    short = coordinator.stub.Generate(long_request(max_new_tokens=8), timeout=60)
+    short_s = time.monotonic() - started
+    before = rounds(coordinator)
+    assert short.stats.rounds >= 2 and before > 0
+    error = rpc_error(coordinator.stub.Generate, long_request(), timeout=2 * short_s)
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wait_for(lambda: sessions(stack) == (0, 0), 5)
     assert wait_for(lambda: coordinator.running.drain(0), 5)
-    done = rounds(coordinator)
-    # A whole request is ~LONG/3 rounds; 0.3 s of it must be far fewer, and nothing after.
-    assert 0 < done < LONG / 6
-    assert rounds(coordinator) == done
+    done = rounds(coordinator) - before
+    # A whole request is ~LONG/3 rounds; twice a short request's time must be far fewer, and nothing after.
+    assert 0 < done < LONG / 6, done
+    assert rounds(coordinator) - before == done
 
 
 def test_requests_over_max_sessions_get_resource_exhausted(stack, coordinator):

@@ -103,7 +103,7 @@ def test_drafter_killed_mid_request_finishes_without_it_and_exact(models):
         assert wait_for(lambda: backends.drafter_up, 20)
         back = stub.Generate(long_request(), timeout=60)
         assert list(back.token_ids) == reference and back.stats.draft_tokens > 0 and not back.stats.fallback
-        assert target.active_sessions() == 0 and draft.active_sessions() == 0
+        assert wait_for(lambda: target.active_sessions() == 0 and draft.active_sessions() == 0, 10)
 
 
 def test_a_hung_drafter_is_given_up_on_after_the_drafter_timeout(models):
@@ -131,6 +131,33 @@ def test_a_hung_drafter_is_given_up_on_after_the_drafter_timeout(models):
         assert wait_for(lambda: draft.active_sessions() == 0 and target.active_sessions() == 0, 10)
 
 
+def test_a_stalled_drafter_holds_no_answer_up_and_its_sessions_end_when_it_is_back(models):
+    """SIGSTOP the drafter during a hybrid request: the request finishes without
+    it (and says so), its answer is not held up by ending the drafter's session,
+    and that session is ended once the drafter runs again, not at its TTL."""
+    draft, target = models
+    with served_coordinator(drafter=draft.address, verifier=target.address, drafter_timeout_s=1.0) as c:
+        request = long_request(tokens=400, proposer=pb.PROPOSER_KIND_HYBRID)
+        reference = list(c.stub.Generate(long_request(speculate=False, tokens=400), timeout=60).token_ids)
+        stream = c.stub.GenerateStream(request, timeout=60)
+        received = list(next(stream).token_ids) + list(next(stream).token_ids)
+        draft.child.process.send_signal(signal.SIGSTOP)
+        try:
+            final = None
+            for message in stream:
+                received += message.token_ids
+                final, last_at = message, time.monotonic()
+            ended_at = time.monotonic()
+            assert received == reference
+            # The stream ends right after its last message: EndSession is not waited for
+            # (a synchronous one waited out its 5 s timeout here).
+            assert ended_at - last_at < 1.0, ended_at - last_at
+            assert final.stats.fallback and "drafter" in final.stats.fallback  # the request says why
+        finally:
+            draft.child.process.send_signal(signal.SIGCONT)
+        assert wait_for(lambda: draft.active_sessions() == 0, 20)  # the retried EndSession landed
+
+
 def coordinator_health(address: str) -> int:
     with channel(address) as ch:
         try:
@@ -153,20 +180,21 @@ def test_verifier_killed_fails_fast_with_unavailable_and_recovers(models):
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
         # Public messages say what failed and what to do, never where the verifier is.
         assert failed.value.details() == unavailable_message("verifier")
-        assert time.monotonic() - started < 5, "the in-flight request must fail, not hang"
+        # Fails, not hangs: well inside the call's own 60 s deadline, however slow this machine.
+        assert time.monotonic() - started < 30, "the in-flight request must fail, not hang"
         # New requests fail fast while it is down, and the coordinator reports NOT_SERVING.
         assert wait_for(lambda: not backends.verifier_watch.up, 10)
-        started = time.monotonic()
         error = rpc_error(stub.Generate, long_request(), timeout=30)
+        # Refused at admission (a request that tried the verifier would say so in its own words, or time out).
         assert error.code() == grpc.StatusCode.UNAVAILABLE and error.details() == unavailable_message("verifier")
-        assert time.monotonic() - started < 1.0
-        assert draft.active_sessions() == 0  # the failed request's draft session was ended
+        assert c.backends.verifier_watch.up is False
+        assert wait_for(lambda: draft.active_sessions() == 0, 10)  # the failed request's draft session was ended
         # It comes back on its port: no coordinator restart needed.
         target.start()
         assert wait_for(lambda: backends.verifier_watch.up, 20)
         ok = stub.Generate(pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=16), timeout=30)
         assert len(ok.token_ids) > 0
-        assert target.active_sessions() == 0 and draft.active_sessions() == 0
+        assert wait_for(lambda: target.active_sessions() == 0 and draft.active_sessions() == 0, 10)
 
 
 def test_coordinator_health_follows_the_verifier(models):
@@ -187,6 +215,15 @@ def spawn_coordinator(models, grace_s: float) -> launcher.Child:
         "--grace-period", str(grace_s)]), 120)
 
 
+def refused(stub) -> bool:
+    """A short request is refused with UNAVAILABLE (the coordinator is draining)."""
+    try:
+        stub.Generate(pb.GenerateRequest(prompt="hi", max_new_tokens=1), timeout=10)
+    except grpc.RpcError as exc:
+        return exc.code() == grpc.StatusCode.UNAVAILABLE
+    return False
+
+
 def test_sigterm_drains_in_flight_requests_then_exits(models):
     child = spawn_coordinator(models, grace_s=30)
     with channel(child.address) as ch:
@@ -194,16 +231,15 @@ def test_sigterm_drains_in_flight_requests_then_exits(models):
         stream = stub.GenerateStream(long_request(), timeout=60)
         received = list(next(stream).token_ids)  # the first token: SIGTERM as early into the request as can be
         child.process.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        refused = rpc_error(stub.Generate, long_request(), timeout=10)
-        assert refused.code() == grpc.StatusCode.UNAVAILABLE
+        # Once it has taken the signal (whenever that is on this machine), new requests are refused.
+        assert wait_for(lambda: refused(stub), 20)
         final = None
         for message in stream:
             received += message.token_ids
             final = message
         assert len(received) == LONG and final.finish_reason == pb.FINISH_REASON_LENGTH
     assert child.process.wait(20) == 0
-    assert all(m.active_sessions() == 0 for m in models)
+    assert wait_for(lambda: all(m.active_sessions() == 0 for m in models), 10)
 
 
 def test_sigterm_cancels_what_outlives_the_grace_period(models):

@@ -212,7 +212,9 @@ def test_the_verifier_serves_int4_and_the_drafter_int8_by_default_as_the_default
 def test_the_coordinator_drafts_with_the_hybrid_proposer_unless_told_otherwise():
     (deployment,) = by_kind(render({}), "Deployment")
     args = {c["name"]: c["args"] for c in deployment["spec"]["template"]["spec"]["containers"]}
-    assert "--proposer=hybrid" in args["coordinator"] and "--lookup-history-tokens=16384" in args["coordinator"]
-    (deployment,) = by_kind(render({"coordinator": {"proposer": "model", "lookupHistoryTokens": 0}}), "Deployment")
+    # Other requests' outputs are searched only when asked for: a lookup's timing tells what they held.
+    assert "--proposer=hybrid" in args["coordinator"] and "--lookup-history-tokens=0" in args["coordinator"]
+    (deployment,) = by_kind(render({"coordinator": {"proposer": "model", "lookupHistoryTokens": 4096}}),
+                            "Deployment")
     args = {c["name"]: c["args"] for c in deployment["spec"]["template"]["spec"]["containers"]}
-    assert "--proposer=model" in args["coordinator"] and "--lookup-history-tokens=0" in args["coordinator"]
+    assert "--proposer=model" in args["coordinator"] and "--lookup-history-tokens=4096" in args["coordinator"]

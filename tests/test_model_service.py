@@ -78,19 +78,21 @@ def without_batch(response):
     return response
 
 
-def probs_fp16(rows: int, vocab: int = 512, value: float = 1.0) -> bytes:
+def probs_fp16(rows: int, vocab: int = 512, value: float = 1.0) -> list[common_pb2.DraftProbs]:
+    """`rows` dense proposals, each `value` / vocab everywhere."""
     import numpy as np
-    return (np.full((rows, vocab), value / vocab, dtype="<f2")).tobytes()
+    row = np.full(vocab, value / vocab, dtype="<f2").tobytes()
+    return [common_pb2.DraftProbs(probs_fp16=row) for _ in range(rows)]
 
 
 FAILING_VERIFY = {
     "beyond the context window": (dict(draft_token_ids=[5] * 30, sampling=GREEDY), "INVALID_ARGUMENT"),
     "draft id outside the vocabulary": (dict(draft_token_ids=[5, 9999], sampling=GREEDY), "INVALID_ARGUMENT"),
-    "rows that do not sum to 1": (dict(draft_token_ids=[5, 6], draft_probs_fp16=probs_fp16(2, value=512.0),
+    "rows that do not sum to 1": (dict(draft_token_ids=[5, 6], draft_probs=probs_fp16(2, value=512.0),
                                        sampling=HOT), "INVALID_ARGUMENT"),
-    "probabilities of the wrong shape": (dict(draft_token_ids=[5, 6], draft_probs_fp16=probs_fp16(3),
+    "probabilities of the wrong shape": (dict(draft_token_ids=[5, 6], draft_probs=probs_fp16(3),
                                               sampling=HOT), "INVALID_ARGUMENT"),
-    "probabilities when greedy": (dict(draft_token_ids=[5], draft_probs_fp16=probs_fp16(1), sampling=GREEDY),
+    "probabilities when greedy": (dict(draft_token_ids=[5], draft_probs=probs_fp16(1), sampling=GREEDY),
                                   "INVALID_ARGUMENT"),
     "too many drafts": (dict(draft_token_ids=[5] * 33, sampling=GREEDY), "INVALID_ARGUMENT"),
 }
@@ -115,7 +117,7 @@ def test_a_failed_verify_or_decode_leaves_the_verifier_session_as_it_was(stack, 
         request_cls = verifier_pb2.VerifyRequest if method == "Verify" else verifier_pb2.DecodeRequest
         error = rpc_error(getattr(stub, method), request_cls(session_id=twins[0], **fields), timeout=10)
         assert error.code().name == code, error.details()
-        for call, request in ((stub.Verify, dict(draft_token_ids=[7, 8, 9], draft_probs_fp16=probs_fp16(3),
+        for call, request in ((stub.Verify, dict(draft_token_ids=[7, 8, 9], draft_probs=probs_fp16(3),
                                                  sampling=HOT)),
                               (stub.Decode, dict(num_tokens=5, sampling=HOT)),
                               (stub.Verify, dict(draft_token_ids=[10], sampling=GREEDY))):
@@ -150,14 +152,35 @@ def test_malformed_request_bytes_get_invalid_argument(stack, server, method, str
     assert "not a valid protobuf message" in error.details() and method in error.details()
 
 
-def test_a_model_service_publishes_its_cost_curve_in_info(tiny_target):
+def test_a_model_service_publishes_its_cost_curve_in_info(tiny_target, monkeypatch):
     import verifier.service
+    from specdec.model_service import COST_CURVE_ENV
     from specdec.v1 import verifier_pb2_grpc
+    for variable in COST_CURVE_ENV.values():  # measured here, whatever the run pins
+        monkeypatch.delenv(variable, raising=False)
     running = verifier.service.serve(tiny_target, cost_curve_rows=5)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
             info = verifier_pb2_grpc.VerifierStub(ch).Info(common_pb2.InfoRequest())
         assert len(info.forward_ms) == 5 and all(ms > 0 for ms in info.forward_ms)
         assert info.prefill_ms_per_token > 0
+    finally:
+        running.stop(0)
+
+
+def test_a_pinned_cost_curve_is_published_instead_of_a_measured_one(tiny_target, monkeypatch):
+    import verifier.service
+    from specdec.model_service import CostCurve
+    from specdec.v1 import verifier_pb2_grpc
+    monkeypatch.setenv("SPECDEC_VERIFIER_COST_CURVE", "20, 21.5,23:2.5")
+    assert CostCurve.parse("7,8") == CostCurve([7.0, 8.0], 7.0)
+    for bad in ("", "fast", "1,-2", "3:x"):
+        with pytest.raises(ValueError, match="MS,MS"):
+            CostCurve.parse(bad)
+    running = verifier.service.serve(tiny_target, cost_curve_rows=5)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
+            info = verifier_pb2_grpc.VerifierStub(ch).Info(common_pb2.InfoRequest())
+        assert list(info.forward_ms) == [20.0, 21.5, 23.0] and info.prefill_ms_per_token == 2.5
     finally:
         running.stop(0)

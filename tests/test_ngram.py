@@ -63,6 +63,7 @@ def test_sampled_ngram_speculation_is_seeded_and_sends_no_probabilities(ngram_st
     assert list(a.token_ids) == list(b.token_ids) and len(a.token_ids) == 30
     sources = {s.source: s for s in a.stats.draft_sources}
     assert set(sources) <= {"ngram"}
-    if a.stats.draft_tokens:  # one-hot proposals: ids only, a few bytes each
-        assert sources["ngram"].draft_tokens == a.stats.draft_tokens
-        assert a.stats.draft_bytes <= 8 * a.stats.draft_tokens
+    # A seeded sample keeps a fixed γ, so what the lookups find is the seed's, not this machine's timing's.
+    assert a.stats.draft_tokens > 0
+    assert sources["ngram"].draft_tokens == a.stats.draft_tokens
+    assert a.stats.draft_bytes <= 8 * a.stats.draft_tokens  # one-hot proposals: ids only, a few bytes each

@@ -21,6 +21,9 @@ from specdec.v1 import common_pb2
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-1), "top_k"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(temperature=1e-39), "below the smallest one taken"),
+    (dict(temperature=1e-300), "below the smallest one taken"),
+    (dict(temperature=0.7, repetition_penalty=1e-40), "below the smallest one taken"),
 ])
 def test_invalid_configs_are_refused_with_the_field_named(kwargs, message):
     with pytest.raises(InvalidArgument, match=message):
@@ -120,3 +123,38 @@ def test_sample_from_is_reproducible_for_a_seed_and_finds_a_lone_last_id():
     last = torch.zeros(10)
     last[-1] = 1e-30  # all the mass on the last id, and a tiny one
     assert all(sample_from(last, torch.Generator().manual_seed(s)) == 9 for s in range(20))
+
+
+@pytest.mark.parametrize("temperature", [2.0 ** -126, 1e-30, 3e-38])
+def test_a_tiny_temperature_gives_the_greedy_limit_not_nan(temperature):
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50) * 4
+    scores = transform_logits(logits, [1, 2], [7, 8], SamplingConfig(temperature=temperature), 50)
+    probs = scores_to_probs(scores)
+    assert torch.isfinite(probs).all()
+    assert torch.equal(probs.argmax(dim=-1), logits.argmax(dim=-1))
+    assert torch.allclose(probs.max(dim=-1).values, torch.ones(3))  # one-hot on the argmax
+
+
+@pytest.mark.parametrize("penalty", [2.0 ** -126, 1e-37, 1e30])
+def test_an_extreme_repetition_penalty_stays_a_distribution(penalty):
+    torch.manual_seed(1)
+    logits = torch.randn(2, 40) * 4
+    history = [3, 5, 9]
+    config = SamplingConfig(temperature=0.7, repetition_penalty=penalty, top_p=0.9)
+    probs = scores_to_probs(transform_logits(logits, history, [11], config, 40))
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(dim=-1), torch.ones(2))
+    if penalty < 1:  # a penalty below 1 favours what was seen: in the limit, the best of those positive
+        seen = [t for t in history if logits[0, t] > 0]
+        assert int(probs[0].argmax()) == max(seen, key=lambda t: float(logits[0, t]))
+
+
+def test_every_bit_of_the_seed_counts_and_each_role_draws_its_own_stream():
+    def draws(seed: int, role: str) -> list[float]:
+        g = make_generator(SamplingConfig(temperature=1.0, seed=seed), role)
+        return torch.rand(4, generator=g).tolist()
+    assert draws(7, "drafter") == draws(7, "drafter")                 # reproducible
+    assert draws(7, "drafter") != draws(7 + 2**32, "drafter")         # the high 32 bits count
+    assert draws(7, "drafter") != draws(7 + 2**63, "drafter")
+    assert draws(7, "drafter") != draws(7, "verifier")
+    assert SamplingConfig(temperature=1.0, seed=2**64 - 1).validate().seed == 2**64 - 1

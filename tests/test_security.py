@@ -29,6 +29,7 @@ def pki(tmp_path_factory):
     ca, other_ca = trustme.CA(), trustme.CA()
     files = {"ca": ca.cert_pem, "other_ca": other_ca.cert_pem}
     for name, issuer, identities in (("server", ca, ["127.0.0.1", "localhost"]), ("client", ca, ["client"]),
+                                     ("other_client", ca, ["other-client"]),
                                      ("stranger", other_ca, ["stranger"])):
         cert = issuer.issue_cert(*identities)
         files[name + "_cert"] = cert.cert_chain_pems[0]
@@ -107,8 +108,9 @@ def test_model_services_over_mutual_tls(tiny_draft, tiny_target, pki):
         addresses = {"drafter": f"127.0.0.1:{servers[0].port}", "verifier": f"127.0.0.1:{servers[1].port}"}
         client = ClientTls(pki["ca"], pki["client_cert"], pki["client_key"])
         with served_coordinator(**addresses, backend_tls=client) as c:
-            response = c.stub.Generate(REQUEST, timeout=30)
-            assert response.stats.draft_tokens > 0
+            fixed = pb.GenerateRequest(prompt=REQUEST.prompt, max_new_tokens=6, speculation=pb.Speculation(gamma=4))
+            response = c.stub.Generate(fixed, timeout=30)
+            assert response.stats.draft_tokens > 0  # a fixed γ drafts, whatever this machine's costs
         with pytest.raises(TimeoutError, match="not SERVING"):  # without a client certificate: no handshake
             serve_coordinator(CoordinatorConfig(**addresses, backend_tls=ClientTls(pki["ca"]), connect_timeout_s=2))
     finally:
@@ -171,3 +173,31 @@ def test_a_model_service_on_a_unix_socket_in_a_private_directory(tiny_draft, tmp
     with caplog.at_level(logging.WARNING):
         drafter.service.serve(tiny_draft, uds=str(shared / "drafter.sock")).stop(0)
     assert "other local users may reach it" in caplog.text
+
+
+def ngram_accepted(response: pb.GenerateResponse) -> int:
+    return sum(s.accepted_tokens for s in response.stats.draft_sources if s.source == "ngram")
+
+
+def test_recent_outputs_are_searched_only_by_the_caller_that_wrote_them(stack, pki):
+    """With cross-request lookups on, a caller's lookups find its own earlier
+    outputs, never another caller's: what a lookup drafts shows in timing and
+    stats. Lookups alone at a fixed γ, so what is drafted is the tokens' doing."""
+    tls = ServerTls(pki["server_cert"], pki["server_key"], client_ca=pki["ca"])
+    alice = ClientTls(pki["ca"], pki["client_cert"], pki["client_key"])
+    bob = ClientTls(pki["ca"], pki["other_client_cert"], pki["other_client_key"])
+    request = pb.GenerateRequest(prompt="The quick brown fox jumps", max_new_tokens=48, ignore_eos=True,
+                                 speculation=pb.Speculation(gamma=4))
+
+    def generate(address: str, who: ClientTls) -> pb.GenerateResponse:
+        with channel(address, who) as ch:
+            return coordinator_pb2_grpc.CoordinatorStub(ch).Generate(request, timeout=30)
+    with served_coordinator(drafter=None, verifier=stack.address(stack.verifier), proposer="ngram", tls=tls,
+                            lookup_history_tokens=4096) as c:
+        first = generate(c.address, alice)
+        others = generate(c.address, bob)       # the same prompt, so alice's output would be its continuation
+        again = generate(c.address, alice)
+    assert list(first.token_ids) == list(others.token_ids) == list(again.token_ids)
+    assert ngram_accepted(others) == ngram_accepted(first)    # bob's lookups saw bob's tokens only
+    assert list(others.stats.draft_sources) == list(first.stats.draft_sources)
+    assert ngram_accepted(again) > ngram_accepted(first)      # alice's found her own earlier output

@@ -48,6 +48,19 @@ def test_limits_and_duplicates():
         store.create("", lambda: 0)
 
 
+def test_a_session_is_idle_from_when_its_prefill_ends_not_from_when_it_began():
+    clock = Clock()
+    store: SessionStore[str] = SessionStore(ttl_s=10, clock=clock)
+
+    def long_prefill() -> str:
+        clock.now += 30  # three TTLs of prefill
+        return "S"
+    store.create("slow", long_prefill)
+    assert store.reap() == 0 and len(store) == 1  # not idle yet: it was just made
+    clock.now += 11
+    assert store.reap() == 1
+
+
 def test_a_failing_factory_leaves_no_session():
     store: SessionStore[int] = SessionStore()
 
@@ -64,8 +77,9 @@ def test_a_real_service_reaps_an_abandoned_session(tiny_draft):
     try:
         with channel(f"127.0.0.1:{running.port}") as ch:
             stub = drafter_pb2_grpc.DrafterStub(ch)
-            stub.StartSession(common_pb2.StartSessionRequest(session_id="abandoned", prompt_token_ids=[5, 6, 7]))
-            assert stub.Info(common_pb2.InfoRequest()).active_sessions == 1
+            started = stub.StartSession(common_pb2.StartSessionRequest(session_id="abandoned",
+                                                                       prompt_token_ids=[5, 6, 7]))
+            assert started.session_id == "abandoned"  # (how soon the reaper looks is its own business)
             assert wait_for(lambda: stub.Info(common_pb2.InfoRequest()).active_sessions == 0, 10)
             error = rpc_error(stub.Propose, drafter_pb2.ProposeRequest(session_id="abandoned", num_tokens=2))
             assert error.code() == grpc.StatusCode.NOT_FOUND and "reaped after 0.5 s idle" in error.details()

@@ -8,7 +8,7 @@ from specdec.model_service import MAX_PROPOSE_TOKENS, ModelServiceBase, serve_mo
 from specdec.models import LoadedModel
 from specdec.serving import RunningServer
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
-from specdec.wire import decode_probs, draft_probs_from_proto, draft_probs_tensor, sampling_from_proto
+from specdec.wire import draft_probs_from_proto, draft_probs_tensor, sampling_from_proto
 
 from verifier.target_session import TargetSession
 
@@ -26,18 +26,13 @@ class VerifierServicer(ModelServiceBase[TargetSession], verifier_pb2_grpc.Verifi
         if len(draft) > MAX_PROPOSE_TOKENS:
             raise InvalidArgument(f"{len(draft)} draft tokens is over the limit of {MAX_PROPOSE_TOKENS}")
         validate_token_ids(draft, self.loaded.vocab_size, "draft_token_ids")
-        if sampling.greedy and (request.draft_probs_fp16 or request.draft_probs):
-            raise InvalidArgument("draft_probs and draft_probs_fp16 must be empty when temperature is 0 (greedy)")
-        if request.draft_probs_fp16 and request.draft_probs:
-            raise InvalidArgument("send draft_probs (per token) or draft_probs_fp16 (all dense), not both")
+        if sampling.greedy and request.draft_probs:
+            raise InvalidArgument("draft_probs must be empty when temperature is 0 (greedy)")
         entries = draft_probs_from_proto(request.draft_probs)
 
         def steps(session: TargetSession):
-            draft_probs = None
-            if not sampling.greedy:
-                # Per token (sparse, dense or one-hot: a round may mix sources), or all dense at once.
-                draft_probs = draft_probs_tensor(entries, draft, self.loaded.vocab_size) if entries else \
-                    decode_probs(request.draft_probs_fp16, len(draft), self.loaded.vocab_size)
+            # Per token (sparse, dense or one-hot: a round may mix sources), validated.
+            draft_probs = None if sampling.greedy else draft_probs_tensor(entries, draft, self.loaded.vocab_size)
             return (yield from session.verify_steps(draft, draft_probs, sampling))
 
         with self.session(request.session_id) as session:

@@ -55,6 +55,11 @@ class DrafterStub:
                 request_serializer=specdec_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_drafter__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/specdec.v1.Drafter/KeepAlive',
+                request_serializer=specdec_dot_v1_dot_common__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_common__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
         self.EndSession = channel.unary_unary(
                 '/specdec.v1.Drafter/EndSession',
                 request_serializer=specdec_dot_v1_dot_common__pb2.EndSessionRequest.SerializeToString,
@@ -90,6 +95,12 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepAlive(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def EndSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -118,6 +129,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=specdec_dot_v1_dot_drafter__pb2.ProposeRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_drafter__pb2.ProposeResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=specdec_dot_v1_dot_common__pb2.KeepAliveRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_common__pb2.KeepAliveResponse.SerializeToString,
             ),
             'EndSession': grpc.unary_unary_rpc_method_handler(
                     servicer.EndSession,
@@ -233,6 +249,33 @@ class Drafter:
             '/specdec.v1.Drafter/Propose',
             specdec_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
             specdec_dot_v1_dot_drafter__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Drafter/KeepAlive',
+            specdec_dot_v1_dot_common__pb2.KeepAliveRequest.SerializeToString,
+            specdec_dot_v1_dot_common__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -60,6 +60,11 @@ class VerifierStub:
                 request_serializer=specdec_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/specdec.v1.Verifier/KeepAlive',
+                request_serializer=specdec_dot_v1_dot_common__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_common__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
         self.EndSession = channel.unary_unary(
                 '/specdec.v1.Verifier/EndSession',
                 request_serializer=specdec_dot_v1_dot_common__pb2.EndSessionRequest.SerializeToString,
@@ -101,6 +106,12 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepAlive(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def EndSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -134,6 +145,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=specdec_dot_v1_dot_verifier__pb2.DecodeRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_verifier__pb2.DecodeResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=specdec_dot_v1_dot_common__pb2.KeepAliveRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_common__pb2.KeepAliveResponse.SerializeToString,
             ),
             'EndSession': grpc.unary_unary_rpc_method_handler(
                     servicer.EndSession,
@@ -276,6 +292,33 @@ class Verifier:
             '/specdec.v1.Verifier/Decode',
             specdec_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
             specdec_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Verifier/KeepAlive',
+            specdec_dot_v1_dot_common__pb2.KeepAliveRequest.SerializeToString,
+            specdec_dot_v1_dot_common__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,
