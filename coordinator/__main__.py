@@ -72,6 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     auth.add_argument("--auth-token-file", metavar="PATH", help="... or from this file")
     backend = parser.add_argument_group("TLS to the drafter and verifier (when they serve TLS)")
     backend.add_argument("--backend-tls-ca", help="CA that signed their certificates")
+    backend.add_argument("--backend-auth-token-env", metavar="VAR",
+                         help="send this bearer token (from this environment variable) to the drafter and the "
+                         "verifier, which require it over TCP unless they use mutual TLS")
+    backend.add_argument("--backend-auth-token-file", metavar="PATH", help="... or the token in this file")
     backend.add_argument("--backend-tls-cert", help="this coordinator's client certificate (mutual TLS)")
     backend.add_argument("--backend-tls-key", help="... and its key")
     add_lifecycle_args(parser)
@@ -89,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
             draft_truncation=Truncation(args.draft_top_k, args.draft_top_p),
             lookup_history_tokens=args.lookup_history_tokens,
             auth_token=load_token(args.auth_token_env, args.auth_token_file),
-            backend_tls=ClientTls.from_args(args.backend_tls_ca, args.backend_tls_cert, args.backend_tls_key))
+            backend_tls=ClientTls.from_args(args.backend_tls_ca, args.backend_tls_cert, args.backend_tls_key),
+            backend_auth_token=load_token(args.backend_auth_token_env, args.backend_auth_token_file))
         stopping = catch_stop_signals()
         running, backends = serve(config, host=args.host, port=args.port)
         start_health(running, args)

@@ -128,9 +128,9 @@ class Backends:
     """The two model services, checked to be compatible, then watched."""
 
     def __init__(self, verifier: str, drafter: str | None, connect_timeout_s: float,
-                 tls: ClientTls | None = None, watch: WatchSettings = WatchSettings()):
-        self.verifier = VerifierClient(verifier, tls)
-        self.drafter = DrafterClient(drafter, tls) if drafter else None
+                 tls: ClientTls | None = None, watch: WatchSettings = WatchSettings(), token: str | None = None):
+        self.verifier = VerifierClient(verifier, tls, token)
+        self.drafter = DrafterClient(drafter, tls, token) if drafter else None
         for client in filter(None, (self.verifier, self.drafter)):
             wait_until_serving(client.address, connect_timeout_s, tls=tls)
         self.target_info = self.verifier.info()

@@ -36,9 +36,9 @@ def _no_deadline() -> None:
 class ModelClient:
     service = "model"
 
-    def __init__(self, address: str, stub_cls, tls: ClientTls | None = None):
+    def __init__(self, address: str, stub_cls, tls: ClientTls | None = None, token: str | None = None):
         self.address = address
-        self.channel = channel(address, tls)
+        self.channel = channel(address, tls, token)
         self.stub = stub_cls(telemetry.traced_channel(self.channel))
         self._ending: set[grpc.Future] = set()  # EndSession calls in flight: close() lets them land
         self._ending_lock = threading.Lock()
@@ -105,8 +105,8 @@ class ModelClient:
 class VerifierClient(ModelClient):
     service = "verifier"
 
-    def __init__(self, address: str, tls: ClientTls | None = None):
-        super().__init__(address, verifier_pb2_grpc.VerifierStub, tls)
+    def __init__(self, address: str, tls: ClientTls | None = None, token: str | None = None):
+        super().__init__(address, verifier_pb2_grpc.VerifierStub, tls, token)
 
     def start_session(self, session_id: str, prompt_ids: Sequence[int], timeout: float | None = None) -> None:
         self.call("StartSession", common_pb2.StartSessionRequest(
@@ -133,8 +133,8 @@ class VerifierClient(ModelClient):
 class DrafterClient(ModelClient):
     service = "drafter"
 
-    def __init__(self, address: str, tls: ClientTls | None = None):
-        super().__init__(address, drafter_pb2_grpc.DrafterStub, tls)
+    def __init__(self, address: str, tls: ClientTls | None = None, token: str | None = None):
+        super().__init__(address, drafter_pb2_grpc.DrafterStub, tls, token)
 
     def start_session_async(self, session_id: str, prompt_ids: Sequence[int], timeout: float | None) -> grpc.Future:
         """StartSession without waiting (its prefill overlaps the verifier's); the

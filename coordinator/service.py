@@ -64,6 +64,7 @@ class CoordinatorConfig:
     tls: ServerTls | None = None     # the public port's TLS (mutual with tls.client_ca)
     auth_token: str | None = None    # bearer token required on Generate calls
     backend_tls: ClientTls | None = None  # to reach a drafter/verifier that serves TLS
+    backend_auth_token: str | None = None  # the bearer token the drafter and the verifier require
     log_prompts: bool = False        # prompt text in the logs (off: only counts and timings)
     drafter_timeout_s: float = 30.0  # a drafter call slower than this: the request goes on without it
     watch: WatchSettings = WatchSettings()
@@ -259,7 +260,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 def serve(config: CoordinatorConfig, host: str = "127.0.0.1", port: int = 0) -> tuple[RunningServer, Backends]:
     """Connect and check the backends (raises TokenizerMismatch), then serve."""
     backends = Backends(config.verifier, config.drafter if config.proposer != NGRAM else None,
-                        config.connect_timeout_s, config.backend_tls, config.watch)
+                        config.connect_timeout_s, config.backend_tls, config.watch, config.backend_auth_token)
     servicer = CoordinatorServicer(backends, config)
     running = start_server(lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
                            [SERVICE_NAME], host=host, port=port, traced=False, tls=config.tls,

@@ -5,9 +5,11 @@
 set -euo pipefail
 PORT="${PORT:-50051}"
 LOG="$(mktemp)"
-specdec up --port "$PORT" "$@" 2>&1 | tee "$LOG" >&2 &
+# Its output to the terminal and to $LOG; $! is `specdec up` itself (not a pipeline's last
+# command), so exactly the process started here is stopped at the end.
+specdec up --port "$PORT" "$@" > >(tee "$LOG" >&2) 2>&1 &
 UP=$!
-trap 'pkill -TERM -f "specdec up --port $PORT" 2>/dev/null; wait $UP 2>/dev/null || true; rm -f "$LOG"' EXIT
+trap 'kill -TERM "$UP" 2>/dev/null; wait "$UP" 2>/dev/null || true; rm -f "$LOG"' EXIT
 until grep -q "coordinator on" "$LOG"; do
   kill -0 $UP 2>/dev/null || { echo "specdec up failed" >&2; exit 1; }
   sleep 1

@@ -11,7 +11,7 @@ from specdec import telemetry, torch_thread
 from specdec.errors import SpecdecError
 from specdec.model_service import CostCurve
 from specdec.models import LoadedModel, load_model
-from specdec.security import ServerTls
+from specdec.security import ServerTls, load_token
 from specdec.serving import RunningServer, catch_stop_signals, run_until_signal, serve_health
 
 
@@ -32,12 +32,16 @@ def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, seconds in-flight calls get to finish before they are cancelled")
     parser.add_argument("--health-port", type=int,
                         help="also serve grpc.health.v1 alone, in plaintext, on this port (for kubelet probes)")
-    parser.add_argument("--health-host", default="0.0.0.0", help="bind address of --health-port")
+    parser.add_argument("--health-host",
+                        help="bind address of --health-port (default: --host's, or loopback with --uds; a "
+                             "kubelet probe needs 0.0.0.0)")
 
 
 def start_health(running: RunningServer, args: argparse.Namespace) -> None:
     if args.health_port is not None:
-        serve_health(running, args.health_host, args.health_port)
+        host = args.health_host or (None if getattr(args, "uds", None) else getattr(args, "host", None)) \
+            or "127.0.0.1"
+        serve_health(running, host, args.health_port)
 
 
 def server_tls(args: argparse.Namespace) -> ServerTls | None:
@@ -84,6 +88,12 @@ def add_model_args(parser: argparse.ArgumentParser, default_quantize: str) -> No
     parser.add_argument("--max-batch-rows", type=int, default=512,
                         help="most rows in one batched forward (within it, the cost curve sizes each batch)")
     add_tls_server_args(parser)
+    auth = parser.add_argument_group("auth")
+    auth.add_argument("--auth-token-env", metavar="VAR",
+                      help="require 'authorization: Bearer <token>' (the coordinator's --backend-auth-token-*) on "
+                           "every call but health checks, the token read from this environment variable; off "
+                           "loopback the service refuses to start without this or mutual TLS")
+    auth.add_argument("--auth-token-file", metavar="PATH", help="... or from this file")
     add_lifecycle_args(parser)
 
 
@@ -96,6 +106,7 @@ def run_model_service(name: str, args: argparse.Namespace,
     telemetry.configure(name, args.trace_file)
     try:
         tls = server_tls(args)
+        token = load_token(args.auth_token_env, args.auth_token_file)
         loaded: LoadedModel = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
                                         head_vocab=args.head_vocab, forward=args.forward)
         stopping = catch_stop_signals()
@@ -103,7 +114,7 @@ def run_model_service(name: str, args: argparse.Namespace,
                         max_sessions=args.max_sessions, tls=tls, uds=args.uds,
                         cost_curve_rows=args.cost_curve_rows, cost_curve=args.cost_curve,
                         kv_cache_mb=args.kv_cache_mb,
-                        prefill_chunk=args.prefill_chunk, max_batch_rows=args.max_batch_rows)
+                        prefill_chunk=args.prefill_chunk, max_batch_rows=args.max_batch_rows, auth_token=token)
         start_health(running, args)
     except (SpecdecError, ValueError, OSError) as exc:
         log.error("%s", exc)

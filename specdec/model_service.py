@@ -17,7 +17,7 @@ from specdec.errors import InvalidArgument
 from specdec.kv_cache import PREFILL_CHUNK, SequenceCache, Steps
 from specdec.kv_pool import KVPool
 from specdec.models import LoadedModel
-from specdec.security import ServerTls, warn_if_exposed
+from specdec.security import ServerTls, refuse_if_exposed
 from specdec.serving import RunningServer, start_server
 from specdec.sessions import SessionStore
 from specdec.tokenizer_fingerprint import tokenizer_files
@@ -235,11 +235,12 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
                 loaded: LoadedModel, host: str = "127.0.0.1", port: int = 0, session_ttl_s: float = 600.0,
                 max_sessions: int = 256, tls: ServerTls | None = None, uds: str | None = None,
                 cost_curve_rows: int = 0, kv_cache_mb: float = 0.0, prefill_chunk: int = PREFILL_CHUNK,
-                max_batch_rows: int = MAX_BATCH_ROWS, cost_curve: CostCurve | None = None) -> RunningServer:
+                max_batch_rows: int = MAX_BATCH_ROWS, cost_curve: CostCurve | None = None,
+                auth_token: str | None = None) -> RunningServer:
     """Start a model service; it reports SERVING only once the model is warm.
     `cost_curve`: publish this curve instead of timing one at warm-up (None: the
     one the environment pins, else timed over `cost_curve_rows` rows)."""
-    warn_if_exposed(service_name, host, tls, uds)
+    refuse_if_exposed(service_name, host, tls, uds, auth_token)
     if prefill_chunk < 1 or max_batch_rows < 1:
         raise ValueError(f"--prefill-chunk ({prefill_chunk}) and --max-batch-rows ({max_batch_rows}) must be >= 1")
     store = SessionStore(ttl_s=session_ttl_s, max_sessions=max_sessions)
@@ -249,7 +250,7 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
     servicer = servicer_cls(loaded, session_cls, store, pool, scheduler, prefill_chunk)
     # A worker per session and a few spare, so health checks are answered under full load.
     running = start_server(lambda server: add_to_server(servicer, server), [service_name], host=host, port=port,
-                           max_workers=max_sessions + 8, tls=tls, uds=uds)
+                           max_workers=max_sessions + 8, tls=tls, uds=uds, auth_token=auth_token)
     running.on_stop = store.close
     torch_thread.run(warm_up, loaded)
     pinned = cost_curve or pinned_curve(service_name)

@@ -166,21 +166,29 @@ def private_socket_dir(path: str) -> pathlib.Path:
     return directory
 
 
-def warn_if_exposed(service: str, host: str, tls: ServerTls | None, uds: str | None = None) -> None:
-    """Drafter and verifier are meant for a private Unix socket or loopback (sidecar
-    mode); off them, they want mTLS."""
+def refuse_if_exposed(service: str, host: str, tls: ServerTls | None, uds: str | None = None,
+                      token: str | None = None) -> None:
+    """Drafter and verifier are meant for a private Unix socket (sidecar mode) or
+    for loopback with the coordinator's bearer token; off loopback they need mutual
+    TLS or that token, or they refuse to start (ValueError)."""
     if uds:
         directory = private_socket_dir(uds)
         mode = directory.stat().st_mode & 0o777
         if mode & 0o077:
             log.warning("%s serves unix:%s in %s with mode %o: other local users may reach it and use the model. "
                         "Put the socket in a directory of mode 0700.", service, uds, directory, mode)
-    elif not is_loopback(host) and (tls is None or tls.client_ca is None):
-        log.warning("%s binds %s without mutual TLS: anyone who reaches it can read sessions and use the model. "
-                    "Serve a Unix socket in a private directory (--uds, sidecar mode), or pass --tls-cert, --tls-key "
-                    "and --tls-client-ca.", service, host)
-    elif not tls:
-        log.info("%s on %s: any local user can call it; --uds in a private directory keeps them out", service, host)
+        return
+    mutual = tls is not None and tls.client_ca is not None
+    if not is_loopback(host) and not mutual and token is None:
+        raise ValueError(
+            f"{service} would bind {host} without mutual TLS or a bearer token: anyone who reaches it could read "
+            "sessions and use the model. Serve a Unix socket in a private directory (--uds, sidecar mode), or pass "
+            "--tls-cert, --tls-key and --tls-client-ca, or --auth-token-env/--auth-token-file (and the same token "
+            "to the coordinator's --backend-auth-token-env/--backend-auth-token-file)")
+    if not mutual and token is None:
+        log.warning("%s on %s takes calls from any local user (they could start sessions and fill its KV cache): "
+                    "pass --auth-token-env (and the coordinator --backend-auth-token-env), or serve --uds in a "
+                    "private directory", service, host)
 
 
 def caller_identity(context: grpc.ServicerContext) -> str:

@@ -190,3 +190,52 @@ def test_up_hands_the_coordinator_its_flags():
     assert pairs == {"--metrics-port": "9100", "--drafter-timeout": "5.0", "--max-message-bytes": "1000000",
                      "--health-port": "9101", "--max-sessions": "3", "--proposer": "ngram", "--draft-top-k": "32",
                      "--lookup-history-tokens": "0"}
+
+
+@pytest.mark.integration
+def test_up_over_tcp_gives_the_model_services_a_token_only_the_stack_holds():
+    import grpc
+    from specdec.serving import channel
+    from specdec.v1 import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc, drafter_pb2_grpc, \
+        verifier_pb2_grpc
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "specdec.tools.cli", "up", "--pair", "tiny", "--port", str(port),
+                           "--model-transport", "tcp"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          env=ENV)
+    try:
+        assert f"coordinator on 127.0.0.1:{port}" in up.stdout.readline()
+        models_line = up.stdout.readline()
+        addresses = dict(part.strip().split(" on ") for part in models_line.split(":", 1)[1].split(","))
+        assert all(a.startswith("127.0.0.1:") for a in addresses.values()), addresses
+        for name, stub_cls in (("drafter", drafter_pb2_grpc.DrafterStub), ("verifier", verifier_pb2_grpc.VerifierStub)):
+            with channel(addresses[name]) as ch:  # another local user, without the stack's token
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub_cls(ch).StartSession(common_pb2.StartSessionRequest(session_id="x", prompt_token_ids=[1, 2]),
+                                              timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:  # the coordinator holds it
+            response = coordinator_pb2_grpc.CoordinatorStub(ch).Generate(pb.GenerateRequest(
+                prompt="Once upon a time", max_new_tokens=12, speculation=pb.Speculation(gamma=4)), timeout=60)
+        assert len(response.token_ids) > 0 and response.stats.draft_tokens > 0
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(60)
+    assert up.returncode == 0
+
+
+@pytest.mark.integration
+def test_the_demo_script_serves_a_sample_and_stops_the_stack_it_started():
+    env = dict(ENV, PORT=str(free_port()), PATH=f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}")
+    demo = subprocess.Popen(["bash", "scripts/demo.sh", "--pair", "tiny"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    out, err = demo.communicate(timeout=180)
+    assert demo.returncode == 0, err[-2000:]
+    assert out.strip() and "tok/s" in err  # the sample's text, then its stats line
+    # Nothing it started outlives it.
+    def in_its_group(pid: int) -> bool:
+        try:
+            return os.getpgid(pid) == demo.pid and alive(pid)
+        except OSError:  # gone meanwhile
+            return False
+    leftovers = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if in_its_group(pid)]
+    assert leftovers == [], leftovers

@@ -107,6 +107,7 @@ def test_pods_run_the_services_with_grpc_probes_resources_and_security(name):
             assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
         for container in pod["containers"]:
             health_port = int(arg(container, "--health-port"))
+            assert arg(container, "--health-host") == "0.0.0.0"  # kubelet probes reach the pod's IP
             declared = {p["containerPort"] for p in container["ports"]}
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert container[probe]["grpc"]["port"] == health_port, (container["name"], probe)

@@ -12,9 +12,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import drafter.service
 import verifier.service
 from coordinator.service import CoordinatorConfig, serve as serve_coordinator
+from specdec.errors import SpecdecError
 from specdec.security import ClientTls, ServerTls, is_loopback, load_token
 from specdec.serving import channel
-from specdec.v1 import coordinator_pb2 as pb, coordinator_pb2_grpc
+from specdec.v1 import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc
 from tests.conftest import rpc_error, served_coordinator
 
 TOKEN = "s3cret-token-for-tests"
@@ -118,13 +119,38 @@ def test_model_services_over_mutual_tls(tiny_draft, tiny_target, pki):
             server.stop(0)
 
 
-def test_model_services_bind_loopback_by_default_and_warn_when_exposed(tiny_draft, caplog):
+def test_model_services_refuse_to_serve_off_loopback_without_mtls_or_a_token(tiny_draft, caplog):
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    with pytest.raises(ValueError, match="without mutual TLS or a bearer token"):
+        drafter.service.serve(tiny_draft, host="0.0.0.0")
     with caplog.at_level(logging.WARNING):
-        running = drafter.service.serve(tiny_draft, host="0.0.0.0")
-        running.stop(0)
-    assert "without mutual TLS" in caplog.text
+        drafter.service.serve(tiny_draft, host="0.0.0.0", auth_token=TOKEN).stop(0)  # a token will do
+        drafter.service.serve(tiny_draft).stop(0)  # loopback without one: any local user may call it
+    assert "takes calls from any local user" in caplog.text
+
+
+def test_model_services_over_tcp_require_the_coordinators_token(tiny_draft, tiny_target):
+    servers = [drafter.service.serve(tiny_draft, auth_token=TOKEN), verifier.service.serve(tiny_target,
+                                                                                           auth_token=TOKEN)]
+    try:
+        addresses = {"drafter": f"127.0.0.1:{servers[0].port}", "verifier": f"127.0.0.1:{servers[1].port}"}
+        stubs = {"drafter": drafter_pb2_grpc.DrafterStub, "verifier": verifier_pb2_grpc.VerifierStub}
+        for name, address in addresses.items():
+            with channel(address) as ch:  # a local user without the token
+                error = rpc_error(stubs[name](ch).StartSession, common_pb2.StartSessionRequest(
+                    session_id="intruder", prompt_token_ids=[1, 2, 3]), timeout=5)
+                assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+                health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes carry no token
+        with served_coordinator(**addresses, backend_auth_token=TOKEN) as c:
+            fixed = pb.GenerateRequest(prompt=REQUEST.prompt, max_new_tokens=6, speculation=pb.Speculation(gamma=4))
+            assert c.stub.Generate(fixed, timeout=30).stats.draft_tokens > 0
+        with pytest.raises(SpecdecError, match="refused the call: missing or wrong bearer token"):  # one without it
+            serve_coordinator(CoordinatorConfig(**addresses, connect_timeout_s=2))
+    finally:
+        for server in servers:
+            server.stop(0)
 
 
 def test_no_prompt_text_in_logs_by_default(stack, caplog):

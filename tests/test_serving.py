@@ -1,13 +1,18 @@
 """Server lifecycle pieces: the health-only listener that kubelet probes use."""
 from __future__ import annotations
 
+import argparse
+
 import grpc
+import psutil
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import drafter.service
 from specdec.serving import channel, serve_health
 from specdec.v1 import common_pb2, drafter_pb2_grpc
-from tests.conftest import rpc_error
+from specdec.cli_common import add_lifecycle_args, start_health
+from tests.conftest import free_port, rpc_error
 
 
 def test_health_port_answers_health_only_and_follows_the_service(tiny_draft):
@@ -25,5 +30,32 @@ def test_health_port_answers_health_only_and_follows_the_service(tiny_draft):
             running.set_serving(False)  # as on SIGTERM
             reply = health.Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        running.stop(0)
+
+
+def listening_address(port: int) -> str:
+    """The address a port of this process listens on, IPv4-mapped and dual-stack read as IPv4."""
+    (ip,) = {c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+             if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    return "0.0.0.0" if ip == "::" else ip.removeprefix("::ffff:")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--host", "127.0.0.1"], "127.0.0.1"),                     # the service's own address, not every interface
+    (["--uds", "/tmp/x.sock"], "127.0.0.1"),                    # a socket-only service: loopback
+    (["--host", "127.0.0.1", "--health-host", "0.0.0.0"], "0.0.0.0"),  # asked for (the chart's probes)
+])
+def test_the_health_port_binds_the_services_host_unless_told_otherwise(tiny_draft, argv, expected):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--uds")
+    add_lifecycle_args(parser)
+    port = free_port()
+    args = parser.parse_args([*argv, "--health-port", str(port)])
+    running = drafter.service.serve(tiny_draft)
+    try:
+        start_health(running, args)
+        assert listening_address(port) == expected
     finally:
         running.stop(0)

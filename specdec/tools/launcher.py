@@ -11,6 +11,7 @@ away, and answers UNAVAILABLE while the verifier is."""
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -35,6 +36,7 @@ class Child:
     serving: threading.Event = field(default_factory=threading.Event)
     started_at: float = 0.0
     restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
 
     def start(self) -> "Child":
         """(Re)start `python -m module`; `wait_serving` waits for its 'NAME SERVING on ADDRESS' line."""
@@ -43,7 +45,7 @@ class Child:
         # raises its own to the size of each large block freed, after which KV pages
         # (14.7 MB for 256 tokens of the 1.5B) come from the heap and stay in RSS
         # once their sessions end (+16% after 32 sessions at once); mmapped, they go back.
-        env = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(4 << 20), **os.environ}
+        env = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(4 << 20), **os.environ, **self.env}
         self.serving = threading.Event()
         self.process = process = subprocess.Popen([sys.executable, "-u", "-m", self.module, *self.args],
                                                   stdout=subprocess.PIPE, text=True, env=env)
@@ -65,12 +67,15 @@ class Child:
             self.args[self.args.index("--port") + 1] = self.address.rsplit(":", 1)[1]
 
 
+BACKEND_TOKEN_ENV = "SPECDEC_BACKEND_TOKEN"  # the stack's own token for its model services over TCP
+
+
 class LaunchError(RuntimeError):
     pass
 
 
-def spawn(name: str, module: str, args: list[str]) -> Child:
-    return Child(name, module, list(args)).start()
+def spawn(name: str, module: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+    return Child(name, module, list(args), env=dict(env or {})).start()
 
 
 def wait_serving(child: Child, ready_timeout_s: float) -> Child:
@@ -210,6 +215,9 @@ class Stack:
         self.options = options
         self.children: list[Child] = []  # in start order, so a failed launch stops what did start
         self.sockets = SocketDir() if options.model_transport == "uds" else None
+        # Over TCP, even on loopback, any local user could call the model services:
+        # they require a token made for this stack, which only its processes hold.
+        self.env = {} if self.sockets else {BACKEND_TOKEN_ENV: secrets.token_urlsafe(32)}
 
     def launch(self) -> Child:
         """Start all three and return the serving coordinator."""
@@ -222,23 +230,26 @@ class Stack:
         self.children.append(spawn("drafter", "drafter", [
             "--model", options.draft_model, "--dtype", _dtype(options.pair.draft_dtype, options.draft_quantize),
             "--quantize", options.draft_quantize, "--head-vocab", str(options.head_vocab), *self._listen("drafter"),
-            *common]))
+            *common], self.env))
         drafter = wait_serving(self.children[-1], options.ready_timeout_s)
         self.children.append(spawn("verifier", "verifier", [
             "--model", options.target_model, "--dtype", _dtype(options.pair.target_dtype, options.target_quantize),
             "--quantize", options.target_quantize, *self._listen("verifier"),
-            *common]))
+            *common], self.env))
         verifier = wait_serving(self.children[-1], options.ready_timeout_s)
         self.children.append(spawn("coordinator", "coordinator", [
             "--drafter", drafter.address, "--verifier", verifier.address, "--host", options.host,
             "--port", str(options.port), "--gamma", str(options.gamma), "--gamma-max", str(options.gamma_max),
-            *tracing, *options.coordinator_args]))
+            *tracing, *self._backend_auth(), *options.coordinator_args], self.env))
         return wait_serving(self.children[-1], options.ready_timeout_s)
 
     def _listen(self, name: str) -> list[str]:
         if self.sockets is not None:
             return ["--uds", self.sockets.socket(name)]
-        return ["--host", "127.0.0.1", "--port", "0"]
+        return ["--host", "127.0.0.1", "--port", "0", "--auth-token-env", BACKEND_TOKEN_ENV]
+
+    def _backend_auth(self) -> list[str]:
+        return ["--backend-auth-token-env", BACKEND_TOKEN_ENV] if self.env else []
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)

@@ -109,6 +109,7 @@ livenessProbe:
     - --uds=/run/specdec/private/{{ .component }}.sock
     {{- end }}
     - --health-port={{ $v.healthPort }}
+    - --health-host=0.0.0.0  {{- /* kubelet probes reach the pod's IP */}}
     - --max-sessions={{ $v.maxSessions }}
     - --session-ttl={{ $v.sessionTtlSeconds }}
     - --kv-cache-mb={{ $v.kvCacheMb }}
@@ -170,6 +171,7 @@ livenessProbe:
     - --host=0.0.0.0
     - --port={{ $c.port }}
     - --health-port={{ $c.healthPort }}
+    - --health-host=0.0.0.0
     - --gamma={{ $c.gamma }}
     - --gamma-max={{ $c.gammaMax }}
     - --proposer={{ $c.proposer | default "hybrid" }}
