@@ -189,3 +189,24 @@ def test_internal_bad_arguments(stack, sessions):
     # The session survived the bad calls and still works.
     ok = stack.verifier_stub.Decode(verifier_pb2.DecodeRequest(session_id=sessions, num_tokens=2, sampling=hot), timeout=5)
     assert len(ok.token_ids) >= 1
+
+
+def test_an_unexpected_error_reaches_the_client_as_an_error_id_and_the_log_as_its_traceback(stack, monkeypatch,
+                                                                                           caplog):
+    import logging
+    import re
+
+    import coordinator.service
+    from tests.conftest import coordinator_stub
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("internal detail: /srv/models/secret-path")
+    with coordinator_stub(drafter=stack.address(stack.drafter), verifier=stack.address(stack.verifier)) as stub:
+        monkeypatch.setattr(coordinator.service, "to_domain", broken)
+        with caplog.at_level(logging.ERROR):
+            error = rpc_error(stub.Generate, pb.GenerateRequest(prompt="hi"), timeout=10)
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert "secret-path" not in error.details() and "RuntimeError" not in error.details()
+    error_id = re.search(r"error id ([0-9a-f]{16})", error.details()).group(1)
+    logged = [r for r in caplog.records if error_id in r.getMessage()]
+    assert logged and "secret-path" in str(logged[0].exc_info[1])  # the operator can find it by the id

@@ -12,7 +12,8 @@ import drafter.service
 import verifier.service
 from specdec.models import load_model
 from specdec.sampling import SamplingConfig, scores_to_probs, transform_logits
-from specdec.v1 import common_pb2, coordinator_pb2 as pb
+from specdec.v1 import common_pb2, coordinator_pb2 as pb, drafter_pb2, verifier_pb2
+from specdec.wire import sampling_to_proto
 from tests.conftest import wait_for, pinned_services, coordinator_stub, model_draft_tokens
 
 PROMPTS = [
@@ -355,3 +356,46 @@ def test_the_smallest_temperatures_sample_the_greedy_output(stack):
             assert list(sampled.token_ids) == list(greedy.token_ids), (temperature, speculate)
             if speculate:  # the drafter proposed the greedy tokens too, and they were kept
                 assert 0 < sampled.stats.accepted_tokens <= sampled.stats.draft_tokens
+
+
+def test_a_round_mixing_a_lookup_token_and_a_model_token_under_a_repetition_penalty_is_lossless(stack, tiny_target):
+    """Through the real drafter and verifier: a lookup's token first (one-hot, no
+    probabilities sent), then the model's draft after it (sparse), both sides
+    penalizing repetition over the same history, which the lookup's token joins.
+    The first output token is distributed as the target's after the prompt; the
+    second, where the lookup's token was kept, as the target's after prompt + it."""
+    sampling = SamplingConfig(temperature=0.8, top_k=40, repetition_penalty=1.4)
+    params = sampling_to_proto(sampling)
+    prompt_ids = tiny_target.tokenizer.encode("Hello, world! How are you")
+    with torch.inference_mode():
+        def probs_after(ids):
+            logits = tiny_target.model(input_ids=torch.tensor([ids])).logits[0, -1:]
+            return scores_to_probs(transform_logits(logits, ids, [], sampling, tiny_target.vocab_size))[0]
+        p1 = probs_after(prompt_ids)
+        lookup = int(p1.argmax())            # the lookup proposes the target's favourite: often kept
+        p2 = probs_after(prompt_ids + [lookup])
+    first, second, runs = collections.Counter(), collections.Counter(), 1500
+    for seed in range(runs):
+        session = f"mixed-{seed}"
+        start = common_pb2.StartSessionRequest(session_id=session, prompt_token_ids=prompt_ids)
+        stack.drafter_stub.StartSession(start, timeout=10)
+        stack.verifier_stub.StartSession(start, timeout=10)
+        params.seed = seed
+        proposal = stack.drafter_stub.Propose(drafter_pb2.ProposeRequest(
+            session_id=session, num_tokens=1, sampling=params, draft_prefix_ids=[lookup], truncation_top_k=64),
+            timeout=10)
+        assert len(proposal.draft_token_ids) == 1 and proposal.draft_probs[0].token_ids  # sparse
+        verdict = stack.verifier_stub.Verify(verifier_pb2.VerifyRequest(
+            session_id=session, draft_token_ids=[lookup, *proposal.draft_token_ids], sampling=params,
+            draft_probs=[common_pb2.DraftProbs(), *proposal.draft_probs]), timeout=10)
+        for stub in (stack.drafter_stub, stack.verifier_stub):
+            stub.EndSession(common_pb2.EndSessionRequest(session_id=session), timeout=10)
+        out = [lookup, *proposal.draft_token_ids][: verdict.num_accepted] + [verdict.next_token_id]
+        first[out[0]] += 1
+        if verdict.num_accepted >= 1:
+            second[out[1]] += 1
+    n2 = sum(second.values())
+    assert 0.2 * runs < n2 < runs  # the lookup's token was kept, and rejected, often
+    as_dict = lambda p: {i: float(v) for i, v in enumerate(p.tolist()) if v > 0}  # noqa: E731
+    assert chi_square_p(first, as_dict(p1), runs) > 1e-3
+    assert chi_square_p(second, as_dict(p2), n2) > 1e-3

@@ -233,3 +233,42 @@ def test_the_test_has_power_a_wrong_truncation_fails():
         return [t for t, _ in drawn], [dense_for_wire(draft)] * 2
     first, _ = _first_two_tokens(target, lying, seed=23)
     assert _chi_square_p(first, target) < 1e-6
+
+
+# --- a different distribution at every position --------------------------------
+
+TARGETS = torch.stack([PAIRS["close"][0], PAIRS["far"][0], _dist([1, 1, 4, 1, 1, 1, 1, 6]), PAIRS["top-p both"][0]])
+DRAFTS = torch.stack([PAIRS["close"][1], _dist([3, 1, 1, 1, 1, 1, 1, 1]), PAIRS["far"][1]])
+
+
+def _tokens_by_position(sampler, seed: int) -> np.ndarray:
+    """[gamma + 1, V]: how often each token came out at each output position, over
+    N rounds of γ = 3 whose draft and target distributions differ at every position."""
+    generator = torch.Generator().manual_seed(seed)
+    counts = np.zeros((len(TARGETS), V))
+    for _ in range(N):
+        draft_ids = torch.multinomial(DRAFTS, 1, generator=generator)[:, 0]   # row i from DRAFTS[i]
+        out = sampler(draft_ids, DRAFTS, TARGETS, generator)
+        for position, token in enumerate(out.output_token_ids.tolist()):
+            counts[position, token] += 1
+    return counts
+
+
+def test_each_output_position_follows_its_own_target_row():
+    """Draft i is judged against target row i, and the bonus comes from row γ: an
+    off-by-one between them passes a test whose rows are all alike, not this one."""
+    counts = _tokens_by_position(rejection_sample, seed=31)
+    for position in range(len(TARGETS)):
+        assert counts[position].sum() > 1000, position
+        assert _chi_square_p(counts[position], TARGETS[position]) > ALPHA, position
+
+
+def _judged_one_row_late(draft_ids, draft_probs, target_probs, generator):
+    # The off-by-one: draft i scored against target row i + 1 (the bonus row dropped).
+    shifted = torch.cat([target_probs[1:], target_probs[-1:]])
+    return rejection_sample(draft_ids, draft_probs, shifted, generator)
+
+
+def test_the_test_has_power_an_off_by_one_fails():
+    counts = _tokens_by_position(_judged_one_row_late, seed=31)
+    assert min(_chi_square_p(counts[p], TARGETS[p]) for p in range(len(TARGETS))) < 1e-6
