@@ -53,7 +53,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized():
         to_domain(pb.GenerateRequest(prompt=huge), tokenizer, LIMITS, speculation_available=True)
     assert tokenizer.encoded == []  # by its length alone: 13 characters a token at most
     chat = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=huge)]))
-    with pytest.raises(InvalidArgument, match="shorten the prompt"):
+    with pytest.raises(InvalidArgument, match="contents .* do not fit the 896 tokens"):  # before templating, too
         to_domain(chat, tokenizer, LIMITS, speculation_available=True)
     assert tokenizer.encoded == []
 
