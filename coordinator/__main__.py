@@ -5,14 +5,14 @@ import argparse
 import logging
 import sys
 
-from specdec import telemetry
-from specdec.cli_common import add_lifecycle_args, add_tls_server_args, server_tls, setup_logging, start_health
-from specdec.errors import SpecdecError
-from specdec.security import ClientTls, load_token
-from specdec.serving import MAX_PUBLIC_MESSAGE_BYTES
-from specdec.serving import catch_stop_signals, run_until_signal
+from specdec.rpc import telemetry
+from specdec.service.cli_common import add_lifecycle_args, add_tls_server_args, server_tls, setup_logging, start_health
+from specdec.rpc.errors import SpecdecError
+from specdec.rpc.security import ClientTls, load_token
+from specdec.rpc.serving import MAX_PUBLIC_MESSAGE_BYTES
+from specdec.rpc.serving import catch_stop_signals, run_until_signal
 
-from specdec.wire import Truncation
+from specdec.spec.wire import Truncation
 
 from coordinator.service import DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P, HYBRID, PROPOSERS, CoordinatorConfig, serve
 

@@ -19,10 +19,10 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.errors import FailedPrecondition, SpecdecError
-from specdec.security import ClientTls
-from specdec.serving import wait_until_serving
-from specdec.tokenizer_fingerprint import describe, first_difference, load_tokenizer_files, tokenizer_fingerprint
+from specdec.rpc.errors import FailedPrecondition, SpecdecError
+from specdec.rpc.security import ClientTls
+from specdec.rpc.serving import wait_until_serving
+from specdec.weights.tokenizer_fingerprint import describe, first_difference, load_tokenizer_files, tokenizer_fingerprint
 
 from coordinator.clients import DrafterClient, VerifierClient, ModelClient
 

@@ -13,14 +13,14 @@ from typing import Callable, Sequence
 import grpc
 from opentelemetry import trace
 
-from specdec.errors import TRANSPORT_CODES, RemoteError, public_message
-from specdec.proposer import BatchLoad, Commit, Decoded, Proposal, Proposer, ProposerUnavailable, Verdict
-from specdec.sampling import SamplingConfig
-from specdec import telemetry
-from specdec.security import ClientTls
-from specdec.serving import channel
+from specdec.rpc.errors import TRANSPORT_CODES, RemoteError, public_message
+from specdec.spec.proposer import BatchLoad, Commit, Decoded, Proposal, Proposer, ProposerUnavailable, Verdict
+from specdec.spec.sampling import SamplingConfig
+from specdec.rpc import telemetry
+from specdec.rpc.security import ClientTls
+from specdec.rpc.serving import channel
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specdec.wire import ONE_HOT, Truncation, draft_probs_from_proto, draft_probs_to_proto, sampling_to_proto
+from specdec.spec.wire import ONE_HOT, Truncation, draft_probs_from_proto, draft_probs_to_proto, sampling_to_proto
 
 log = logging.getLogger("coordinator")
 Timeout = Callable[[], "float | None"]  # seconds left of the caller's deadline

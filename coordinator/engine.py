@@ -13,10 +13,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from specdec.errors import Cancelled, DeadlineExceeded
-from specdec.proposer import Commit, Lookup, Proposal, Proposer, ProposerUnavailable, Verdict
-from specdec.sampling import SamplingConfig
-from specdec import telemetry
+from specdec.rpc.errors import Cancelled, DeadlineExceeded
+from specdec.spec.proposer import Commit, Lookup, Proposal, Proposer, ProposerUnavailable, Verdict
+from specdec.spec.sampling import SamplingConfig
+from specdec.rpc import telemetry
 
 from coordinator.clients import VerifierClient
 from coordinator.gamma import CostModel, GammaController, GammaPriors, Plan, ServiceLoad

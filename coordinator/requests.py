@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.errors import InvalidArgument
-from specdec.model_service import validate_token_ids
+from specdec.rpc.errors import InvalidArgument
+from specdec.service.model_service import validate_token_ids
 from specdec.v1 import coordinator_pb2
-from specdec.wire import sampling_from_proto
+from specdec.spec.wire import sampling_from_proto
 
 from coordinator.engine import GenerationRequest, Stats, Update
 

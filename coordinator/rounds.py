@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.proposer import MODEL, NGRAM
+from specdec.spec.proposer import MODEL, NGRAM
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,6 @@ class RoundRecord:
                 "specdec.verify.batch_calls": self.verify_batch_calls,
                 "specdec.verify.queue_ms": self.verify_queue_ms,
                 "specdec.draft.source": self.source, "specdec.draft_bytes": self.draft_bytes,
-                "specdec.ngram.draft_tokens": self.ngram_drafted, "specdec.ngram.accepted_tokens": self.ngram_accepted,
-                "specdec.ngram.match_length": self.ngram_match,
+                "specdec.spec.ngram.draft_tokens": self.ngram_drafted, "specdec.spec.ngram.accepted_tokens": self.ngram_accepted,
+                "specdec.spec.ngram.match_length": self.ngram_match,
                 "specdec.model.draft_tokens": self.model_drafted, "specdec.model.accepted_tokens": self.model_accepted}

@@ -13,15 +13,15 @@ import grpc
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
-from specdec import telemetry
-from specdec.errors import FailedPrecondition, ResourceExhausted, Unavailable, unavailable_message
-from specdec.hybrid import HybridProposer
-from specdec.model_service import MAX_PROPOSE_TOKENS
-from specdec.ngram import RecentOutputs
-from specdec.proposer import Proposer, ProposerUnavailable
-from specdec.wire import Truncation
-from specdec.security import ClientTls, ServerTls, caller_identity
-from specdec.serving import MAX_PUBLIC_MESSAGE_BYTES, RunningServer, start_server
+from specdec.rpc import telemetry
+from specdec.rpc.errors import FailedPrecondition, ResourceExhausted, Unavailable, unavailable_message
+from specdec.spec.hybrid import HybridProposer
+from specdec.service.model_service import MAX_PROPOSE_TOKENS
+from specdec.spec.ngram import RecentOutputs
+from specdec.spec.proposer import Proposer, ProposerUnavailable
+from specdec.spec.wire import Truncation
+from specdec.rpc.security import ClientTls, ServerTls, caller_identity
+from specdec.rpc.serving import MAX_PUBLIC_MESSAGE_BYTES, RunningServer, start_server
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 from coordinator.backends import Backends, WatchSettings
@@ -68,7 +68,7 @@ class CoordinatorConfig:
     log_prompts: bool = False        # prompt text in the logs (off: only counts and timings)
     drafter_timeout_s: float = 30.0  # a drafter call slower than this: the request goes on without it
     watch: WatchSettings = WatchSettings()
-    # The draft distribution's support sent when sampling (specdec.wire.Truncation;
+    # The draft distribution's support sent when sampling (specdec.spec.wire.Truncation;
     # the default from `scripts/draft_truncation.py`: acceptance against bytes).
     draft_truncation: Truncation = Truncation(top_k=DEFAULT_DRAFT_TOP_K, top_p=DEFAULT_DRAFT_TOP_P)
     lookup_history_tokens: int = 0  # recent outputs searched by a caller's lookups (0: none)

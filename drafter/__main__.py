@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import argparse
 
-from specdec import torch_thread
+from specdec.runtime import torch_thread
 
 torch_thread.spin_briefly()  # before torch loads: it shares the cores with the other model service
 
-from specdec.cli_common import add_model_args, run_model_service
+from specdec.service.cli_common import add_model_args, run_model_service
 
 from drafter.service import serve
 

@@ -5,13 +5,13 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from specdec.errors import FailedPrecondition, InvalidArgument
-from specdec.kv_cache import SequenceCache, Steps, drive
-from specdec.kv_pool import KVPool
-from specdec.models import LoadedModel
-from specdec.proposer import Commit
-from specdec.sampling import SamplingConfig, make_generator, sample_from, scores_to_probs, transform_logits
-from specdec.wire import DraftProbs, Truncation, dense_for_wire, round_probs_for_wire, sparse_probs, truncate_for_wire
+from specdec.rpc.errors import FailedPrecondition, InvalidArgument
+from specdec.runtime.kv_cache import SequenceCache, Steps, drive
+from specdec.runtime.kv_pool import KVPool
+from specdec.runtime.models import LoadedModel
+from specdec.spec.proposer import Commit
+from specdec.spec.sampling import SamplingConfig, make_generator, sample_from, scores_to_probs, transform_logits
+from specdec.spec.wire import DraftProbs, Truncation, dense_for_wire, round_probs_for_wire, sparse_probs, truncate_for_wire
 
 
 class Draft(NamedTuple):
@@ -83,7 +83,7 @@ class DraftSession:
         `prefix`: tokens another source proposed for this round (an n-gram
         lookup); they are the round's first drafts, fed with the first step.
         The probabilities returned are exactly those each token was sampled from
-        (fp16-rounded, see specdec.wire; truncated to the support `truncation`
+        (fp16-rounded, see specdec.spec.wire; truncated to the support `truncation`
         keeps), as the rejection sampler requires.
         Drafting stops after a token whose probability is below `min_confidence`:
         where the draft is unsure, the tokens after it are likely rejected. The

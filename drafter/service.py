@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import logging
 
-from specdec.errors import InvalidArgument
-from specdec.model_service import MAX_PROPOSE_TOKENS, ModelServiceBase, serve_model, validate_token_ids
-from specdec.models import LoadedModel
-from specdec.proposer import Commit
-from specdec.serving import RunningServer
+from specdec.rpc.errors import InvalidArgument
+from specdec.service.model_service import MAX_PROPOSE_TOKENS, ModelServiceBase, serve_model, validate_token_ids
+from specdec.runtime.models import LoadedModel
+from specdec.spec.proposer import Commit
+from specdec.rpc.serving import RunningServer
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
-from specdec.wire import Truncation, draft_probs_to_proto, sampling_from_proto
+from specdec.spec.wire import Truncation, draft_probs_to_proto, sampling_from_proto
 
 from drafter.draft_session import DraftSession
 

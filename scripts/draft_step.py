@@ -18,13 +18,13 @@ import torch
 
 from drafter.draft_session import DraftSession
 from drafter.service import serve
-from specdec import torch_thread
-from specdec.kv_cache import SequenceCache
-from specdec.models import load_model
-from specdec.sampling import SamplingConfig, sample_from, scores_to_probs, transform_logits
-from specdec.serving import channel
+from specdec.runtime import torch_thread
+from specdec.runtime.kv_cache import SequenceCache
+from specdec.runtime.models import load_model
+from specdec.spec.sampling import SamplingConfig, sample_from, scores_to_probs, transform_logits
+from specdec.rpc.serving import channel
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specdec.wire import encode_probs, round_probs_for_wire
+from specdec.spec.wire import encode_probs, round_probs_for_wire
 
 
 def _ms(fn, repeats: int) -> float:
@@ -65,7 +65,7 @@ def main() -> int:
         seq.forward([], keep_last=1)
     rows["raw forward (1 row)"] = _ms(in_thread(raw_step), args.rounds * 2)
     # Everything torch runs on the torch thread: one op on another thread (an OpenMP
-    # team there) slows this one's forwards by half (specdec.torch_thread).
+    # team there) slows this one's forwards by half (specdec.runtime.torch_thread).
     logits = torch_thread.run(seq.forward, [], 1)
     hot = SamplingConfig(temperature=0.7)
     rows["transform_logits T=0.7"] = _ms(in_thread(lambda: transform_logits(logits, seq.tokens, [], hot,

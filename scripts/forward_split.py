@@ -18,9 +18,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specdec.kv_cache import SequenceCache
-from specdec import torch_thread
-from specdec.models import load_model
+from specdec.runtime.kv_cache import SequenceCache
+from specdec.runtime import torch_thread
+from specdec.runtime.models import load_model
 
 LINEAR_OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "quantized::linear_dynamic",
               "aten::linear", "aten::mm", "aten::addmm")

@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from specdec.kv_cache import SequenceCache
-from specdec import torch_thread
-from specdec.models import load_model
+from specdec.runtime.kv_cache import SequenceCache
+from specdec.runtime import torch_thread
+from specdec.runtime.models import load_model
 
 DEV = pathlib.Path(__file__).resolve().parent.parent.parent / "shared/data/spec_bench/questions_dev.jsonl"
 

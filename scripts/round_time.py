@@ -19,8 +19,8 @@ import os
 import statistics
 import time
 
-from specdec.serving import channel
-from specdec.tools import launcher
+from specdec.rpc.serving import channel
+from specdec_tools import launcher
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 SPIN_ENV = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")

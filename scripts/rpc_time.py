@@ -17,8 +17,8 @@ import json
 import statistics
 import time
 
-from specdec.tools import launcher
-from specdec.serving import channel
+from specdec_tools import launcher
+from specdec.rpc.serving import channel
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 PROMPT = [57, 84, 275, 71, 261, 276, 371]

@@ -16,9 +16,9 @@ import drafter.service
 import verifier.service
 from coordinator.backends import Backends
 from coordinator.service import CoordinatorConfig, serve as serve_coordinator
-from specdec.model_service import CostCurve
-from specdec.models import LoadedModel, load_model
-from specdec.serving import RunningServer, channel
+from specdec.service.model_service import CostCurve
+from specdec.runtime.models import LoadedModel, load_model
+from specdec.rpc.serving import RunningServer, channel
 from specdec.v1 import coordinator_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc
 
 

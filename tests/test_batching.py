@@ -8,12 +8,12 @@ import threading
 import pytest
 import torch
 
-from specdec import torch_thread
-from specdec.batching import RowCost, Scheduler, lean_batch_forward
-from specdec.errors import ResourceExhausted
-from specdec.kv_cache import Forward, SequenceCache
-from specdec.kv_pool import KVPool
-from specdec.sampling import SamplingConfig
+from specdec.runtime import torch_thread
+from specdec.runtime.batching import RowCost, Scheduler, lean_batch_forward
+from specdec.rpc.errors import ResourceExhausted
+from specdec.runtime.kv_cache import Forward, SequenceCache
+from specdec.runtime.kv_pool import KVPool
+from specdec.spec.sampling import SamplingConfig
 from verifier.target_session import TargetSession
 
 PROMPTS = [[(11 * i + 7 * j) % 500 + 3 for j in range(length)] for i, length in enumerate((5, 17, 40, 9, 64, 3, 28, 12))]

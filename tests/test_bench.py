@@ -6,7 +6,7 @@ import pytest
 
 import json
 
-from specdec.tools import bench
+from specdec_tools import bench
 
 QUESTIONS = [
     {"question_id": 1, "category": "coding", "turns": ["Write a function that adds two numbers.", "Now test it."]},

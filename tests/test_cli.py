@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import drafter.service
-from specdec.models import load_model
+from specdec.runtime.models import load_model
 from tests.conftest import free_port, model_draft_tokens
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", SPECDEC_TEST_TOKEN="cli-test-token")
@@ -38,7 +38,7 @@ def alive(pid: int) -> bool:
 
 
 def specdec(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specdec.tools.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "specdec_tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=ENV)
 
 
@@ -64,7 +64,7 @@ def test_coordinator_refuses_mismatched_tokenizers(stack, mismatched_drafter):
 def test_up_generate_and_stop():
     port = free_port()
     auth = ("--auth-token-env", "SPECDEC_TEST_TOKEN")
-    up = subprocess.Popen([sys.executable, "-m", "specdec.tools.cli", "up", "--pair", "tiny", "--port", str(port), *auth],
+    up = subprocess.Popen([sys.executable, "-m", "specdec_tools.cli", "up", "--pair", "tiny", "--port", str(port), *auth],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
         line = up.stdout.readline()
@@ -130,7 +130,7 @@ def test_up_serves_the_models_on_private_sockets_and_restarts_what_dies(tmp_path
     from tests.conftest import wait_for
 
     port, metrics_port = free_port(), free_port()
-    up = subprocess.Popen([sys.executable, "-m", "specdec.tools.cli", "up", "--pair", "tiny", "--port", str(port),
+    up = subprocess.Popen([sys.executable, "-m", "specdec_tools.cli", "up", "--pair", "tiny", "--port", str(port),
                            "--metrics-port", str(metrics_port), "--drafter-timeout", "5"],
                           stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"), text=True, env=ENV)
     request = pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=40, ignore_eos=True,
@@ -181,7 +181,7 @@ def test_up_serves_the_models_on_private_sockets_and_restarts_what_dies(tmp_path
 
 
 def test_up_hands_the_coordinator_its_flags():
-    from specdec.tools.cli import coordinator_passthrough, parser
+    from specdec_tools.cli import coordinator_passthrough, parser
     args = parser().parse_args(["up", "--pair", "tiny", "--metrics-port", "9100", "--drafter-timeout", "5",
                                 "--max-message-bytes", "1000000", "--health-port", "9101", "--max-sessions", "3",
                                 "--proposer", "ngram", "--draft-top-k", "32", "--lookup-history-tokens", "0"])
@@ -195,11 +195,11 @@ def test_up_hands_the_coordinator_its_flags():
 @pytest.mark.integration
 def test_up_over_tcp_gives_the_model_services_a_token_only_the_stack_holds():
     import grpc
-    from specdec.serving import channel
+    from specdec.rpc.serving import channel
     from specdec.v1 import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc, drafter_pb2_grpc, \
         verifier_pb2_grpc
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "specdec.tools.cli", "up", "--pair", "tiny", "--port", str(port),
+    up = subprocess.Popen([sys.executable, "-m", "specdec_tools.cli", "up", "--pair", "tiny", "--port", str(port),
                            "--model-transport", "tcp"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                           env=ENV)
     try:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import dense_rows
-from specdec.int4 import Int4Linear
-from specdec.int8 import Int8WeightOnlyLinear
+from specdec.runtime import dense_rows
+from specdec.runtime.quant.int4 import Int4Linear
+from specdec.runtime.quant.int8 import Int8WeightOnlyLinear
 from tests.test_int4 import random_q4k
 
 
@@ -52,7 +52,7 @@ def test_unpack_fills_every_chunk_in_order(monkeypatch):
 
 
 def test_the_int8_dynamic_layer_takes_bf16_activations_on_the_dense_path(monkeypatch):
-    from specdec.int8 import Int8Linear
+    from specdec.runtime.quant.int8 import Int8Linear
     monkeypatch.setattr(dense_rows, "_CHOICE", {})
     layer = Int8Linear(torch.randn(128, 256), torch.randn(128))
     weight, bias = layer.dense_weight()

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from drafter.draft_session import DraftSession
-from specdec.errors import FailedPrecondition, InvalidArgument
-from specdec.proposer import Commit
-from specdec.sampling import SamplingConfig
-from specdec.wire import Truncation, draft_probs_tensor
+from specdec.rpc.errors import FailedPrecondition, InvalidArgument
+from specdec.spec.proposer import Commit
+from specdec.spec.sampling import SamplingConfig
+from specdec.spec.wire import Truncation, draft_probs_tensor
 from tests.test_kv_cache import PROMPT, full_logits
 
 GREEDY = SamplingConfig()

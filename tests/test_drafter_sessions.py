@@ -12,9 +12,9 @@ import pytest
 import drafter.service
 from coordinator.clients import DrafterClient, RemoteDraftProposer
 from coordinator.service import DRAFTER_DOWN_CODES
-from specdec.proposer import ProposerUnavailable
-from specdec.sampling import SamplingConfig
-from specdec.serving import channel
+from specdec.spec.proposer import ProposerUnavailable
+from specdec.spec.sampling import SamplingConfig
+from specdec.rpc.serving import channel
 from specdec.v1 import common_pb2, coordinator_pb2 as pb, drafter_pb2_grpc
 from tests.conftest import free_port, served_coordinator, wait_for
 

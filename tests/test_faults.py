@@ -10,9 +10,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.tools import launcher
-from specdec.errors import unavailable_message
-from specdec.serving import channel
+from specdec_tools import launcher
+from specdec.rpc.errors import unavailable_message
+from specdec.rpc.serving import channel
 from specdec.v1 import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc
 from tests.conftest import served_coordinator, free_port, rpc_error, wait_for
 

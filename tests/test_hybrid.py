@@ -10,12 +10,12 @@ import pytest
 from tests.conftest import wait_for
 
 from coordinator.clients import DrafterClient, RemoteDraftProposer
-from specdec.hybrid import HybridProposer
-from specdec.ngram import RecentOutputs
-from specdec.proposer import Commit
-from specdec.sampling import SamplingConfig
+from specdec.spec.hybrid import HybridProposer
+from specdec.spec.ngram import RecentOutputs
+from specdec.spec.proposer import Commit
+from specdec.spec.sampling import SamplingConfig
 from specdec.v1 import common_pb2
-from specdec.wire import Truncation
+from specdec.spec.wire import Truncation
 
 GREEDY = SamplingConfig()
 PROMPT = [11, 12, 13, 14, 15, 11, 12, 13]  # ends in "11 12 13": the lookup proposes "14 15 11 ..."

@@ -1,4 +1,4 @@
-"""specdec.int4: Q4_K blocks carried over to int4 group-32 without a second rounding of the codes."""
+"""specdec.runtime.quant.int4: Q4_K blocks carried over to int4 group-32 without a second rounding of the codes."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,8 +6,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from specdec.int4 import Int4Linear, q4k_codes
-from specdec.int8 import Int8WeightOnlyLinear
+from specdec.runtime.quant.int4 import Int4Linear, q4k_codes
+from specdec.runtime.quant.int8 import Int8WeightOnlyLinear
 
 
 def random_q4k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -67,7 +67,7 @@ def write_gguf(path, tensors: dict) -> None:
 
 def test_q4k_linears_go_int4_others_int8_each_checked_first(tmp_path):
     from gguf.quants import quantize
-    from specdec.int4 import quantize_from_gguf
+    from specdec.runtime.quant.int4 import quantize_from_gguf
 
     torch.manual_seed(0)
     model = torch.nn.Module()
@@ -118,8 +118,8 @@ def test_concat_computes_the_parts_side_by_side_and_the_parts_still_work():
 
 def test_int4_needs_a_gguf_source_and_says_so():
     import pytest
-    from specdec.errors import InvalidArgument
-    from specdec.models import load_model
+    from specdec.rpc.errors import InvalidArgument
+    from specdec.runtime.models import load_model
     with pytest.raises(InvalidArgument, match="builds its weights from a GGUF's Q4_K blocks"):
         load_model("tiny-target", quantize="int4")
     with pytest.raises(InvalidArgument, match="quantize must be one of none, int8, int4"):
@@ -127,8 +127,8 @@ def test_int4_needs_a_gguf_source_and_says_so():
 
 
 def test_a_gpu_stack_keeps_the_pairs_dtype_instead_of_cpu_int4():
-    from specdec.pairs import PAIRS
-    from specdec.tools.launcher import StackOptions
+    from specdec.weights.pairs import PAIRS
+    from specdec_tools.launcher import StackOptions
     assert StackOptions.for_pair(PAIRS["qwen-coder"]).target_quantize == "int4"
     assert StackOptions.for_pair(PAIRS["qwen-coder"], device="cuda").target_quantize == "none"
     assert StackOptions.for_pair(PAIRS["qwen-coder"], device="cuda", target_quantize="int8").target_quantize == "int8"
@@ -137,8 +137,8 @@ def test_a_gpu_stack_keeps_the_pairs_dtype_instead_of_cpu_int4():
 def test_int4_on_cuda_is_torchaos_and_says_how_to_get_it(monkeypatch):
     import sys
     import pytest
-    from specdec.errors import FailedPrecondition
-    from specdec.int4 import quantize_cuda
+    from specdec.rpc.errors import FailedPrecondition
+    from specdec.runtime.quant.int4 import quantize_cuda
     for name in ("torchao", "torchao.quantization"):
         monkeypatch.setitem(sys.modules, name, None)  # as where it is not installed
     with pytest.raises(FailedPrecondition, match="pip install torchao"):

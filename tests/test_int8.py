@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from specdec import int8
-from specdec.models import load_model
+from specdec.runtime.quant import int8
+from specdec.runtime.models import load_model
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

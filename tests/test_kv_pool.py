@@ -7,10 +7,10 @@ import gc
 import pytest
 import torch
 
-from specdec import lean
-from specdec.errors import ResourceExhausted
-from specdec.kv_cache import SequenceCache
-from specdec.kv_pool import KVPool
+from specdec.runtime import lean
+from specdec.rpc.errors import ResourceExhausted
+from specdec.runtime.kv_cache import SequenceCache
+from specdec.runtime.kv_pool import KVPool
 
 
 def test_caches_take_pages_from_the_pool_and_give_them_back(tiny_target):

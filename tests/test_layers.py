@@ -1,6 +1,12 @@
-"""The folders show the layers: protos -> core (specdec) -> services (drafter,
-verifier, coordinator) -> tools (specdec.tools). Imports only go down, and the
-client side of the CLI starts without torch."""
+"""The folders show the layers. From the bottom: the generated protos
+(specdec.v1); inside the core, one folder per concern, each importing only the
+folders below it: rpc (errors, serving, security, sessions, telemetry) -> spec
+(sampling, proposers, rejection sampler, wire forms) -> weights (where weights and
+tokenizers come from) -> runtime (models, the lean forward, quantized layers, KV
+caches, batching) -> service (what both model services share); then the services
+(drafter, verifier, coordinator), each on its own; then the tools (specdec_tools).
+Imports only go down; no core folder is flat module soup; the client side of the
+CLI starts without torch."""
 from __future__ import annotations
 
 import ast
@@ -9,7 +15,9 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+CORE = ("v1", "rpc", "spec", "weights", "runtime", "service")   # bottom to top
 SERVICES = ("drafter", "verifier", "coordinator")
+FLOORS = [*(f"specdec.{c}" for c in CORE), "services", "specdec_tools"]
 
 
 def imports(path: pathlib.Path) -> set[str]:
@@ -23,30 +31,48 @@ def imports(path: pathlib.Path) -> set[str]:
     return found
 
 
-def layer(module: str) -> str | None:
-    top = module.split(".")[0]
-    if module.startswith("specdec.tools"):
-        return "tools"
-    return "core" if top == "specdec" else top if top in SERVICES else None
+def floor(module: str) -> tuple[int, str] | None:
+    """(height, name) of a project module's layer; None for third-party modules."""
+    parts = module.split(".")
+    if parts[0] == "specdec" and len(parts) > 1 and parts[1] in CORE:
+        return FLOORS.index(f"specdec.{parts[1]}"), f"specdec.{parts[1]}"
+    if parts[0] in SERVICES:
+        return FLOORS.index("services"), parts[0]
+    if parts[0] == "specdec_tools":
+        return FLOORS.index("specdec_tools"), "specdec_tools"
+    return None
+
+
+def project_modules() -> list[pathlib.Path]:
+    return [p for p in [*ROOT.glob("specdec/**/*.py"), *ROOT.glob("specdec_tools/*.py"),
+                        *(p for s in SERVICES for p in ROOT.glob(f"{s}/*.py"))] if "__pycache__" not in p.parts]
 
 
 def test_imports_only_go_down_the_layers():
     violations = []
-    for path in [*ROOT.glob("specdec/**/*.py"), *(p for s in SERVICES for p in ROOT.glob(f"{s}/*.py"))]:
-        here = layer(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    for path in project_modules():
+        here = floor(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        if here is None:  # specdec/__init__.py
+            continue
         for module in imports(path):
-            there = layer(module)
-            if there is None or there == here:
+            there = floor(module)
+            if there is None or there[1] == here[1]:
                 continue
-            if here == "core" and there != "core":
-                violations.append(f"{path.relative_to(ROOT)} (core) imports {module}")
-            if here in SERVICES and there not in ("core",):
-                violations.append(f"{path.relative_to(ROOT)} ({here}) imports {module}")
+            if there[0] >= here[0]:  # sideways (one service importing another) counts as upward
+                violations.append(f"{path.relative_to(ROOT)} ({here[1]}) imports {module} ({there[1]})")
     assert violations == []
 
 
+def test_the_core_has_no_flat_modules_and_no_module_is_over_450_lines():
+    flat = sorted(p.name for p in (ROOT / "specdec").glob("*.py") if p.name != "__init__.py")
+    assert flat == [], f"modules outside a concern's folder: {flat}"
+    long = {str(p.relative_to(ROOT)): n for p in project_modules() if "v1" not in p.parts
+            and (n := len(p.read_text().splitlines())) > 450}
+    assert long == {}, long
+
+
 def test_the_client_side_of_the_cli_starts_without_torch():
-    code = ("import sys\nfrom specdec.tools import cli\n"
+    code = ("import sys\nfrom specdec_tools import cli\n"
             "try:\n    cli.main(['generate', '--addr', '127.0.0.1:1', '--prompt', 'x', '--timeout', '1'])\n"
             "except SystemExit as exit:\n    code = exit.code\n"
             "print(code, 'torch' in sys.modules, 'transformers' in sys.modules)")

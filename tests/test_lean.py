@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specdec import lean
-from specdec.int4 import GROUP, Int4Linear
-from specdec.kv_cache import SequenceCache
-from specdec.models import load_model
+from specdec.runtime import lean
+from specdec.runtime.quant.int4 import GROUP, Int4Linear
+from specdec.runtime.kv_cache import SequenceCache
+from specdec.runtime.models import load_model
 
 
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:
@@ -40,7 +40,7 @@ def test_lean_logits_equal_transformers_over_prefill_verify_and_rollback(tiny_ta
 def test_a_prefills_many_rows_give_transformers_logits_on_either_attention_path(tiny_target, monkeypatch, fused):
     # Rows >= dense_rows.MIN_ROWS may take torch's fused attention: from an empty
     # cache (causal) and after a cached prefix (masked), as the choice falls.
-    from specdec import dense_rows
+    from specdec.runtime import dense_rows
     monkeypatch.setattr(dense_rows, "_CHOICE", {})
     tokens = [(13 * i + 5) % 500 for i in range(220)]
     forward = tiny_target.lean

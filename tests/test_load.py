@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration  # real processes or real weights
 
 def run_load(tmp_path, *args: str) -> dict:
     out = tmp_path / "load"
-    result = subprocess.run([sys.executable, "-m", "specdec.tools.load", "--pair", "tiny", "--threads", "1",
+    result = subprocess.run([sys.executable, "-m", "specdec_tools.load", "--pair", "tiny", "--threads", "1",
                              "--out", str(out), *args], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "| clients | requests | ok |" in result.stdout

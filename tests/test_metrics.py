@@ -6,7 +6,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.service import CoordinatorConfig, serve
-from specdec.serving import channel
+from specdec.rpc.serving import channel
 from specdec.v1 import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc
 
 

@@ -12,11 +12,11 @@ import torch
 
 import drafter.service
 import verifier.service
-from specdec import torch_thread
-from specdec.batching import Scheduler, lean_batch_forward
-from specdec.lean import CHUNK
-from specdec.sampling import SamplingConfig
-from specdec.serving import channel
+from specdec.runtime import torch_thread
+from specdec.runtime.batching import Scheduler, lean_batch_forward
+from specdec.runtime.lean import CHUNK
+from specdec.spec.sampling import SamplingConfig
+from specdec.rpc.serving import channel
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.conftest import rpc_error, wait_for
 from tests.test_batching import PROMPTS, run_concurrently

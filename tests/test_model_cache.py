@@ -4,9 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import model_cache, tiny
-from specdec.kv_cache import SequenceCache
-from specdec.models import load_model
+from specdec.runtime import model_cache
+
+from specdec.weights import tiny
+from specdec.runtime.kv_cache import SequenceCache
+from specdec.runtime.models import load_model
 
 
 def logits_of(loaded, ids: list[int]) -> torch.Tensor:
@@ -48,7 +50,7 @@ def test_the_entry_key_names_the_settings_and_the_library_versions(tmp_path):
     assert a.name.startswith("int4-")
     model_cache.save(torch.nn.Linear(2, 2), a, {"quantize": "int4"})
     settings = (a / "settings.json").read_text()
-    assert torch.__version__ in settings and '"format": 1' in settings
+    assert torch.__version__ in settings and f'"format": {model_cache.FORMAT}' in settings
     assert not list(a.glob("*.partial"))
 
 

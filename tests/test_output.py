@@ -1,7 +1,7 @@
 """Output assembly: EOS, length, stop strings, and safe text deltas."""
 from __future__ import annotations
 
-from specdec import tiny
+from specdec.weights import tiny
 from coordinator.output import FinishReason, OutputAccumulator
 
 TOK = tiny.build_tokenizer()

@@ -16,7 +16,7 @@ def test_generated_code_is_up_to_date():
 
 def test_services_expose_health_and_reflection(stack):
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-    from specdec.serving import channel
+    from specdec.rpc.serving import channel
     for server, name in ((stack.coordinator, "specdec.v1.Coordinator"), (stack.drafter, "specdec.v1.Drafter"),
                          (stack.verifier, "specdec.v1.Verifier")):
         with channel(stack.address(server)) as ch:

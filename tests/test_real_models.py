@@ -13,9 +13,9 @@ import torch
 
 import drafter.service
 import verifier.service
-from specdec import registry
-from specdec.models import load_model
-from specdec.pairs import PAIRS
+from specdec.weights import registry
+from specdec.runtime.models import load_model
+from specdec.weights.pairs import PAIRS
 from specdec.v1 import common_pb2, coordinator_pb2 as pb
 from tests.conftest import coordinator_stub
 

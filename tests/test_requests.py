@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from coordinator.requests import PROBE_CHARS_PER_TOKEN, Limits, max_token_chars, to_domain
-from specdec import tiny
-from specdec.errors import InvalidArgument
+from specdec.weights import tiny
+from specdec.rpc.errors import InvalidArgument
 from specdec.v1 import coordinator_pb2 as pb
 
 TOK = tiny.build_tokenizer()

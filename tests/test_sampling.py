@@ -7,9 +7,9 @@ import pytest
 import torch
 from scipy import stats
 
-from specdec.errors import InvalidArgument
-from specdec.sampling import SamplingConfig, make_generator, sample_from, scores_to_probs, transform_logits
-from specdec.wire import decode_probs, encode_probs, round_probs_for_wire, sampling_from_proto, sampling_to_proto
+from specdec.rpc.errors import InvalidArgument
+from specdec.spec.sampling import SamplingConfig, make_generator, sample_from, scores_to_probs, transform_logits
+from specdec.spec.wire import decode_probs, encode_probs, round_probs_for_wire, sampling_from_proto, sampling_to_proto
 from specdec.v1 import common_pb2
 
 

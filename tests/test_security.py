@@ -12,9 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import drafter.service
 import verifier.service
 from coordinator.service import CoordinatorConfig, serve as serve_coordinator
-from specdec.errors import SpecdecError
-from specdec.security import ClientTls, ServerTls, is_loopback, load_token
-from specdec.serving import channel
+from specdec.rpc.errors import SpecdecError
+from specdec.rpc.security import ClientTls, ServerTls, is_loopback, load_token
+from specdec.rpc.serving import channel
 from specdec.v1 import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc
 from tests.conftest import rpc_error, served_coordinator
 

@@ -5,9 +5,9 @@ import grpc
 import pytest
 
 import drafter.service
-from specdec.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
-from specdec.serving import channel
-from specdec.sessions import SessionStore
+from specdec.rpc.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from specdec.rpc.serving import channel
+from specdec.rpc.sessions import SessionStore
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from tests.conftest import rpc_error, wait_for
 

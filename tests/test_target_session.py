@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.sampling import SamplingConfig
+from specdec.spec.sampling import SamplingConfig
 from verifier.target_session import TargetSession
 from tests.test_draft_session import greedy_continuation
 from tests.test_kv_cache import PROMPT, full_logits

@@ -19,8 +19,8 @@ from opentelemetry.trace import SpanKind
 
 import drafter.service
 import verifier.service
-from specdec import telemetry
-from specdec.tools import traces
+from specdec.rpc import telemetry
+from specdec_tools import traces
 from specdec.v1 import common_pb2, coordinator_pb2 as pb
 from tests.conftest import coordinator_stub, free_port
 
@@ -72,10 +72,10 @@ def test_span_tree_and_attributes(traced):
         assert isinstance(ra["specdec.bonus"], bool) and ra["specdec.gamma"] == drafted
         children = [s for s in spans if s.parent and s.parent.span_id == r.context.span_id]
         # Where the drafts came from: lookups first (free: no drafter call), then the model.
-        ngram, model = ra["specdec.ngram.draft_tokens"], ra["specdec.model.draft_tokens"]
+        ngram, model = ra["specdec.spec.ngram.draft_tokens"], ra["specdec.model.draft_tokens"]
         assert ngram + model == drafted and ra["specdec.draft_bytes"] > 0
         assert ra["specdec.draft.source"] == "+".join(n for n, k in (("ngram", ngram), ("model", model)) if k)
-        assert ra["specdec.ngram.accepted_tokens"] + ra["specdec.model.accepted_tokens"] == accepted
+        assert ra["specdec.spec.ngram.accepted_tokens"] + ra["specdec.model.accepted_tokens"] == accepted
         # A round of γ = 0 (the last token of a request, or drafting off) verifies without proposing.
         proposed = ("/specdec.v1.Drafter/Propose",) if model else ()
         assert ra["specdec.gamma"] or r is rounds[-1]  # here, only the last can have nothing to draft
@@ -121,14 +121,14 @@ def test_all_three_services_export_one_trace_over_otlp_grpc_and_to_the_trace_fil
     port = free_port()
     env = {**__import__("os").environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
            "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    up = subprocess.Popen([sys.executable, "-m", "specdec.tools.cli", "up", "--pair", "tiny", "--port", str(port),
+    up = subprocess.Popen([sys.executable, "-m", "specdec_tools.cli", "up", "--pair", "tiny", "--port", str(port),
                            "--gamma", "3", "--trace-file", str(trace_file)], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True)
     try:
         for line in up.stdout:
             if "coordinator on" in line:
                 break
-        result = subprocess.run([sys.executable, "-m", "specdec.tools.cli", "generate", "--addr", f"127.0.0.1:{port}",
+        result = subprocess.run([sys.executable, "-m", "specdec_tools.cli", "generate", "--addr", f"127.0.0.1:{port}",
                                  "--prompt", SECRET, "--max-new-tokens", "24", "--json"],
                                 capture_output=True, text=True, timeout=120, check=True)
         response = json.loads(result.stdout)
@@ -169,7 +169,7 @@ def test_all_three_services_export_one_trace_over_otlp_grpc_and_to_the_trace_fil
     assert all(r.verify_ms > 0 and r.rpc_ms >= 0 for r in rows)
     assert all(r.draft_ms > 0 for r in rows if r.drafted)
     plot = tmp_path / "rounds.png"
-    out = subprocess.run([sys.executable, "-m", "specdec.tools.cli", "traces", str(trace_file), "--request", trace_id[:8],
+    out = subprocess.run([sys.executable, "-m", "specdec_tools.cli", "traces", str(trace_file), "--request", trace_id[:8],
                           "--plot", str(plot)], capture_output=True, text=True, timeout=60, check=True).stdout
     assert f"request {trace_id}" in out and "round" in out and "acceptance by position" in out
     assert "tok/s" in out and plot.read_bytes()[:4] == b"\x89PNG"

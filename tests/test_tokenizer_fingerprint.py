@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from specdec import tiny
-from specdec.tokenizer_fingerprint import (
+from specdec.weights import tiny
+from specdec.weights.tokenizer_fingerprint import (
     describe, first_difference, load_tokenizer_files, tokenizer_fingerprint, tokenizer_files)
 
 

@@ -1,4 +1,4 @@
-"""All torch work of a process runs on one thread (see specdec.torch_thread)."""
+"""All torch work of a process runs on one thread (see specdec.runtime.torch_thread)."""
 from __future__ import annotations
 
 import os
@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from specdec import torch_thread
-from specdec.kv_cache import SequenceCache
+from specdec.runtime import torch_thread
+from specdec.runtime.kv_cache import SequenceCache
 
 
 def test_run_executes_on_one_thread_and_inline_when_already_there():

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from specdec.errors import InvalidArgument
-from specdec.kv_cache import SequenceCache, Steps, drive
-from specdec.kv_pool import KVPool
-from specdec.models import LoadedModel
-from specdec.rejection import RejectionOutput, greedy_accept, rejection_sample
-from specdec.sampling import SamplingConfig, make_generator, sample_from, scores_to_probs, transform_logits
+from specdec.rpc.errors import InvalidArgument
+from specdec.runtime.kv_cache import SequenceCache, Steps, drive
+from specdec.runtime.kv_pool import KVPool
+from specdec.runtime.models import LoadedModel
+from specdec.spec.rejection import RejectionOutput, greedy_accept, rejection_sample
+from specdec.spec.sampling import SamplingConfig, make_generator, sample_from, scores_to_probs, transform_logits
 
 
 class TargetSession:

@@ -1,0 +1,171 @@
+"""What a round costs: the draft a line in the model tokens drafted, fitted
+online; verification on the verifier's published cost curve by rows (γ + 1),
+learned per row count; under load, a round's share of batched forwards."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from specdec.runtime.cost_curve import RowCost
+
+
+class EwLinearFit:
+    """y ≈ a + b·x, fitted with exponential forgetting.
+
+    While x does not vary (a fixed γ), a and b cannot be told apart, so a weak
+    prior on their ratio decides the split: `b_over_a` (verifying: each extra
+    token costs a small fraction of the forward) or `a_over_b` (drafting: the
+    fixed cost is a small fraction of a token's)."""
+
+    def __init__(self, *, default: tuple[float, float], b_over_a: float | None = None,
+                 a_over_b: float | None = None, decay: float = 0.98, weight: float = 0.1):
+        assert (b_over_a is None) != (a_over_b is None)
+        # The prior penalizes u·(a, b): b - r·a, or a - r·b.
+        self.u = (-b_over_a, 1.0) if b_over_a is not None else (1.0, -a_over_b)
+        self.default, self.decay, self.weight = default, decay, weight
+        self.sw = self.sx = self.sxx = self.sy = self.sxy = 0.0
+
+    def observe(self, x: float, y: float) -> None:
+        d = self.decay
+        self.sw, self.sx, self.sxx = d * self.sw + 1, d * self.sx + x, d * self.sxx + x * x
+        self.sy, self.sxy = d * self.sy + y, d * self.sxy + x * y
+
+    def coefficients(self) -> tuple[float, float]:
+        if self.sw == 0:
+            return self.default
+        # Normal equations of sum w (y - a - b x)^2 + λ S (u·(a, b))^2, S ~ x² (tokens²).
+        lam = self.weight * 16.0
+        ua, ub = self.u
+        m11, m12, m22 = self.sw + lam * ua * ua, self.sx + lam * ua * ub, self.sxx + lam * ub * ub
+        det = m11 * m22 - m12 * m12
+        return (self.sy * m22 - m12 * self.sxy) / det, (m11 * self.sxy - m12 * self.sy) / det
+
+    def __call__(self, x: float) -> float:
+        a, b = self.coefficients()
+        return max(0.0, a + b * x)
+
+
+class RowCurve:
+    """Verify time by rows (γ + 1 per round), starting from the verifier's measured
+    cost curve and learned per row count: a row count seen in rounds has its own
+    EWMA; one not seen yet is its measured forward plus the offset the seen ones
+    show over theirs (the RPC and the rejection sampler, which the curve leaves
+    out). Rows are not free in every precision (int4 takes 4 a kernel pass, so the
+    5th costs as much again), which a line in γ cannot represent."""
+
+    def __init__(self, measured: Sequence[float], rate: float = 0.1):
+        assert measured, "a curve needs at least the 1-row forward"
+        self.measured = [float(ms) for ms in measured]          # [rows - 1] -> ms
+        self.forward_ms = RowCost(self.measured)                # a forward over any rows: a batch's
+        self.estimate = list(self.measured)
+        self.seen = [0] * len(self.measured)
+        self.offset, self.offset_count, self.rate = 0.0, 0, rate
+
+    def observe(self, rows: int, ms: float) -> None:
+        i = rows - 1
+        if not 0 <= i < len(self.measured):
+            return
+        self.seen[i] += 1
+        self.estimate[i] += max(self.rate, 1 / self.seen[i]) * (ms - self.estimate[i])
+        self.offset_count += 1
+        self.offset += max(self.rate, 1 / self.offset_count) * (ms - self.measured[i] - self.offset)
+
+    def __call__(self, rows: int) -> float:
+        i = min(max(rows, 1), len(self.measured)) - 1
+        value = self.estimate[i] if self.seen[i] else self.measured[i] + self.offset
+        if rows > len(self.measured):
+            value += (rows - len(self.measured)) * self.forward_ms.slope
+        return max(value, 0.0)
+
+
+@dataclass
+class CostModel:
+    """Round time in ms as a function of γ, learned from measured rounds."""
+    # Before any round is measured: a draft token at 1/4 of a target step,
+    # verifying γ tokens at one step plus 5% per token.
+    draft: EwLinearFit = field(default_factory=lambda: EwLinearFit(default=(1.0, 25.0), a_over_b=0.05))
+    verify: EwLinearFit = field(default_factory=lambda: EwLinearFit(default=(100.0, 5.0), b_over_a=0.05))
+    verify_curve: RowCurve | None = None  # from the verifier's Info; the line above is the fallback
+    draft_curve: RowCurve | None = None   # from the drafter's Info: its batched draft steps under load
+    # The proposer's prefill, ms per prompt token (0: free or unknown): from the
+    # drafter's Info, then an EWMA over measured prefills.
+    draft_prefill: float = 0.0
+    draft_prefills_seen: int = 0
+    # Plan on the services' published curves alone, never on measured rounds: the
+    # choice of γ is then the same on every machine (tests, policy comparisons).
+    frozen: bool = False
+
+    @classmethod
+    def from_curves(cls, draft_ms: Sequence[float], verify_ms: Sequence[float],
+                    draft_prefill_ms_per_token: float = 0.0) -> "CostModel":
+        """Start from the services' measured curves (either may be empty: not measured)."""
+        model = cls(draft_prefill=float(draft_prefill_ms_per_token))
+        if draft_ms:  # a draft token: one 1-row forward, plus a little for sampling and the RPC
+            model.draft = EwLinearFit(default=(1.0, float(draft_ms[0]) * 1.1), a_over_b=0.05)
+            model.draft_curve = RowCurve(draft_ms)
+        if verify_ms:
+            model.verify_curve = RowCurve(verify_ms)
+        return model
+
+    def observe_draft_prefill(self, tokens: int, ms: float, rate: float = 0.2) -> None:
+        if tokens <= 0 or self.frozen:
+            return
+        self.draft_prefills_seen += 1
+        self.draft_prefill += max(rate, 1 / self.draft_prefills_seen) * (ms / tokens - self.draft_prefill)
+
+    def draft_prefill_ms(self, tokens: int) -> float:
+        return self.draft_prefill * tokens
+
+    def observe(self, gamma: int, draft_ms: float, verify_ms: float, draft_alone: bool = True,
+                verify_alone: bool = True, model_tokens: int | None = None) -> None:
+        """A round's timings: `gamma` tokens verified, `model_tokens` of them drafted
+        by the model (the rest were free lookups; None: all). Only calls that ran
+        alone in their forwards teach the cost of γ: a batched call's time is the
+        batch's, which the load accounts for."""
+        if self.frozen:
+            return
+        model_tokens = gamma if model_tokens is None else model_tokens
+        if model_tokens > 0 and draft_alone:
+            self.draft.observe(model_tokens, draft_ms)
+        if not verify_alone:
+            return
+        if self.verify_curve is not None:
+            self.verify_curve.observe(gamma + 1, verify_ms)
+        else:
+            self.verify.observe(gamma, verify_ms)
+
+    def verify_ms(self, gamma: int, calls: float = 1.0) -> float:
+        """A round's verify cost at γ when `calls` calls share each forward, all of
+        them with γ + 1 rows: this call's share of the batch."""
+        if self.verify_curve is None:
+            return self.verify(gamma)
+        if calls <= LOAD_ALONE:
+            return self.verify_curve(gamma + 1)
+        return self.verify_curve.forward_ms(calls * (gamma + 1)) / calls + self.verify_curve.offset
+
+    def draft_ms(self, gamma: int, calls: float = 1.0) -> float:
+        """A round's draft cost at γ: alone, the fitted line; when `calls` requests
+        all draft, its share of γ batched draft steps of that many rows."""
+        if gamma <= 0:
+            return 0.0
+        alone = self.draft(gamma)
+        if calls <= LOAD_ALONE or self.draft_curve is None:
+            return alone
+        # The forwards are shared; what a call costs beyond them (RPC, sampling) is not.
+        forward = gamma * self.draft_curve.forward_ms(1)
+        return gamma * self.draft_curve.forward_ms(calls) / calls + max(alone - forward, 0.0)
+
+    def round_ms(self, gamma: int, calls: float = 1.0) -> float:
+        return self.draft_ms(gamma, calls) + self.verify_ms(gamma, calls)
+
+    def call_overhead_ms(self) -> float:
+        """What a verifier call costs beyond its forward (RPC, sampling): the offset
+        measured rounds show over the curve (0 without a curve)."""
+        return max(self.verify_curve.offset, 0.0) if self.verify_curve is not None else 0.0
+
+    def marginal_verify_ms(self, gamma: int, calls: float = 1.0) -> float:
+        """What verifying one more draft token costs on top of γ of them."""
+        return max(self.verify_ms(gamma + 1, calls) - self.verify_ms(gamma, calls), 0.0)
+
+
+LOAD_ALONE = 1.05  # calls per forward at or below which a call counts as having run alone

@@ -1,0 +1,280 @@
+"""The policy: each round's draft (lookup tokens, then model tokens) from the
+cost, load and acceptance estimates; and what requests learned, shared across
+them per sampling regime."""
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from specdec.spec.proposer import Lookup
+from specdec.spec.sampling import SamplingConfig
+
+from coordinator.gamma.acceptance import (MATCH_BUCKETS, Acceptance, Calibration, cumulative, lookup_acceptances,
+                                          match_bucket)
+from coordinator.gamma.cost import LOAD_ALONE, CostModel
+from coordinator.gamma.load import ServiceLoad
+from coordinator.rounds import RoundRecord
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A round's draft: `ngram` lookup tokens first, then `model` tokens drafted after them."""
+    ngram: int = 0
+    model: int = 0
+
+    @property
+    def drafted(self) -> int:
+        return self.ngram + self.model
+
+
+@dataclass
+class ControllerState:
+    acceptance: Acceptance = field(default_factory=Acceptance)   # the model's drafts
+    cost: CostModel = field(default_factory=CostModel)
+    calibration: Calibration = field(default_factory=Calibration)
+    rounds: int = 0
+    lookup: list[Acceptance] = field(default_factory=lookup_acceptances)  # [match bucket] lookup drafts
+
+
+class GammaController:
+    """Per request: `next_gamma(limit)` before a round, `observe(...)` after it."""
+
+    def __init__(self, gamma_max: int, state: ControllerState | None = None, *, initial_gamma: int = 4,
+                 hysteresis: float = 0.04, probe_every: int = 8, probe_gamma: int = 2, warmup_rounds: int = 2,
+                 aging: float = 0.8, max_confidence: float = 0.9, load: ServiceLoad | None = None):
+        self.gamma_max = gamma_max
+        self.state = state or ControllerState()
+        self.load = load  # None: plan as if alone
+        self.hysteresis, self.probe_gamma, self.warmup_rounds = hysteresis, probe_gamma, warmup_rounds
+        self.aging = aging
+        self.max_confidence = max_confidence  # the early stop never asks for more than this
+        self.model = True                      # a draft model is there to draft with
+        self.gamma = min(initial_gamma, gamma_max) if self.state.rounds < warmup_rounds else self.best()
+        self.probe_every = self.base_probe_every = probe_every
+        self.rounds_at_zero = 0
+        self.probing = False
+        self.lookup_skips = [0] * len(MATCH_BUCKETS)     # lookups not taken since one was, per bucket
+        self.lookup_yield = 1.0  # EWMA: lookup tokens kept per round (a lookup each); optimistic until measured
+
+    def without_model(self) -> None:
+        """The request goes on with free drafts alone: the model's γ is 0 for good."""
+        self.model, self.gamma, self.probing = False, 0, False
+
+    def calls(self) -> float:
+        return self.load.calls if self.load is not None else 1.0
+
+    def goodput(self, gamma: int) -> float:
+        """Expected tokens per second at this γ (under load: per second of this
+        request's share of the verifier's forwards)."""
+        round_ms = self.state.cost.round_ms(gamma, self.calls())
+        return self.state.acceptance.expected_tokens(gamma) / max(round_ms, 1e-6) * 1e3
+
+    def best(self) -> int:
+        return max(range(self.gamma_max + 1 if self.model else 1), key=self.goodput)
+
+    def plan(self, lookup: Lookup, limit: int) -> Plan:
+        """This round's draft: the model's γ as `next_gamma` chooses it, unless
+        taking k of the lookup's tokens (then j model tokens after them) is
+        expected to give more tokens per second. A lookup token costs its verify
+        row only; it is accepted as its match length's bucket says."""
+        gamma = self.next_gamma(limit)
+        k_max = min(len(lookup.token_ids), limit, self.gamma_max)
+        if k_max <= 0:
+            return Plan(0, gamma)
+        bucket = match_bucket(lookup.match_length)
+        cost, calls = self.state.cost, self.calls()
+        free = cumulative(self.state.lookup[bucket].by_positions(k_max))               # [k_max + 1] P(first i kept)
+        model = cumulative(self.state.acceptance.by_positions(self.gamma_max if self.model else 0))
+        free_tokens, model_tokens = _running_sums(free), _running_sums(model)           # E[tokens kept | k], | j
+        verify = [cost.verify_ms(rows, calls) for rows in range(self.gamma_max + 1)]
+        draft = [cost.draft_ms(j, calls) for j in range(len(model))]
+
+        def goodput(k: int, j: int) -> float:
+            tokens = 1 + free_tokens[k] + free[k] * model_tokens[j]
+            return tokens / max(draft[j] + verify[k + j], 1e-6)
+        best, value = Plan(0, gamma), goodput(0, min(gamma, len(model) - 1))
+        for k in range(1, k_max + 1):
+            for j in range(min(len(model) - 1, self.gamma_max - k, limit - k) + 1):
+                if goodput(k, j) > value:
+                    best, value = Plan(k, j), goodput(k, j)
+        if best.ngram:
+            self.lookup_skips[bucket] = 0
+        else:
+            # Not expected to pay: try a short one now and then, or a bucket
+            # judged bad once would never be judged again.
+            self.lookup_skips[bucket] += 1
+            if self.lookup_skips[bucket] >= 2 * self.base_probe_every:
+                self.lookup_skips[bucket] = 0
+                best = Plan(min(k_max, self.probe_gamma), 0)
+        if best.model == 0 and self.probing:
+            self.probing = False  # the model's probe waits for a round without a better lookup
+        return best
+
+    def prefill_pays(self, prompt_tokens: int, new_tokens: int) -> bool:
+        """Whether drafting this request is expected to save more than the
+        proposer's prefill of its prompt costs. A long prompt with few tokens to
+        generate (rag, summarization) can cost the drafter more to read than
+        drafting then saves, where the target is cheap per token (int4). A
+        prefill of no more than one target step always pays: that keeps requests
+        drafting, and so the estimates learning, wherever prompts are short."""
+        cost, calls = self.state.cost, self.calls()
+        prefill_ms = cost.draft_prefill_ms(prompt_tokens)
+        if (prefill_ms <= cost.verify_ms(0) and calls <= LOAD_ALONE) or self.gamma_max < 1:
+            return True
+        best = max(range(1, self.gamma_max + 1), key=self.goodput)
+        saving_ms = new_tokens * (cost.round_ms(0, calls) - 1e3 / max(self.goodput(best), 1e-9))
+        return saving_ms > prefill_ms
+
+    def required_acceptance(self) -> float:
+        """How likely a drafted token must be accepted for drafting past it to pay.
+
+        One more draft token costs a draft step and a verified position (ms). It
+        pays off when the token before it and it are both accepted, P(prev)·α,
+        which saves one token's share of the time, 1/goodput. So drafting goes on
+        while P(prev accepted) > cost · goodput / α."""
+        _, draft_per_token = self.state.cost.draft.coefficients()
+        cost_ms = max(draft_per_token, 0.0) + self.state.cost.marginal_verify_ms(max(self.gamma, 1), self.calls())
+        tokens_per_ms = self.goodput(max(self.gamma, 1)) / 1e3
+        return cost_ms * tokens_per_ms / max(self.state.acceptance.alpha, 0.05)
+
+    def min_confidence(self) -> float:
+        """The draft-confidence threshold for this round's early stop: the
+        required acceptance, turned into the drafter's confidence through the
+        learned calibration."""
+        return min(self.max_confidence, self.state.calibration.threshold(self.required_acceptance()))
+
+    def decode_steps(self, chunk: int, looks_up: bool) -> int:
+        """Target tokens to decode in a round that drafts nothing: one, so that the
+        next lookup comes after it, where lookups keep more tokens than a verifier
+        call costs beyond its forward (and no batch waits); else up to `chunk`, or
+        to the next probe, in one call."""
+        chunk = max(1, min(chunk, self.steps_until_probe()))
+        if looks_up and self.calls() <= LOAD_ALONE:
+            cost = self.state.cost
+            if self.lookup_yield * cost.verify_ms(0) > cost.call_overhead_ms():
+                return 1
+        return chunk
+
+    def steps_until_probe(self) -> int:
+        """At γ = 0: target tokens to decode before the next probe round (at least 1)."""
+        return max(1, self.probe_every - self.rounds_at_zero)
+
+    def next_gamma(self, limit: int | None = None) -> int:
+        gamma = self.gamma
+        self.probing = False
+        if gamma == 0 and self.rounds_at_zero >= self.probe_every:
+            gamma, self.probing = self.probe_gamma, True
+        if limit is not None:
+            gamma = max(0, min(gamma, limit))
+        return gamma
+
+    def observe(self, round: RoundRecord) -> None:
+        state = self.state
+        state.rounds += 1
+        # What was drafted, not what was asked for: a confidence stop may draft fewer.
+        state.cost.observe(round.drafted, round.draft_ms, round.verify_ms / max(round.steps, 1),
+                           draft_alone=round.draft_batch_calls <= LOAD_ALONE,
+                           verify_alone=round.verify_batch_calls <= LOAD_ALONE, model_tokens=round.model_drafted)
+        self.lookup_yield += 0.1 * (round.ngram_accepted - self.lookup_yield)
+        if round.ngram_drafted:
+            state.lookup[match_bucket(round.ngram_match)].observe(round.ngram_drafted, round.ngram_accepted)
+        # The model's drafts were judged only if every lookup token before them was kept.
+        if round.model_drafted > 0 and round.accepted >= round.ngram_drafted:
+            state.acceptance.observe(round.model_drafted, round.model_accepted)
+            state.calibration.observe(round.confidences, round.model_accepted)
+        if state.rounds < self.warmup_rounds:
+            return
+        best = self.best()
+        if self.probing:
+            # The probe decides at once; failing probes back off exponentially.
+            self.rounds_at_zero = 0
+            if best == 0:
+                self.probe_every = min(2 * self.probe_every, 4 * self.base_probe_every)
+                return
+            self.gamma, self.probe_every = best, self.base_probe_every
+            return
+        if self.gamma == 0:
+            self.rounds_at_zero += max(round.steps, 1)  # a probe comes after so many target tokens
+            state.acceptance.age(self.aging)
+        if best != self.gamma and self.goodput(best) > self.goodput(self.gamma) * (1 + self.hysteresis):
+            self.gamma = best
+            self.rounds_at_zero = 0
+
+
+def _running_sums(kept: Sequence[float]) -> list[float]:
+    """[n + 1] P(the first i kept) -> [n + 1] expected tokens kept of the first i."""
+    out = [0.0]
+    for p in kept[1:]:
+        out.append(out[-1] + p)
+    return out
+
+
+def regime(sampling: SamplingConfig) -> str:
+    """Acceptance depends on the sampling config: greedy, or a temperature bucket."""
+    if sampling.greedy:
+        return "greedy"
+    return f"T{min(round(sampling.temperature * 4) / 4, 2.0):.2f}"
+
+
+class GammaPriors:
+    """What requests learned, shared across requests: one state per regime (the
+    cost model is shared by all). A new request starts from a copy; when it ends
+    its state is blended back in."""
+
+    def __init__(self, blend: float = 0.5, prior_weight: float = 5.0, cost: CostModel | None = None):
+        self.blend, self.prior_weight = blend, prior_weight
+        self.lock = threading.Lock()
+        self.acceptance: dict[str, Acceptance] = {}
+        self.calibration: dict[str, Calibration] = {}
+        self.lookup: dict[str, list[Acceptance]] = {}
+        self.cost = cost or CostModel()
+        self.rounds = 0
+
+    def start(self, sampling: SamplingConfig) -> ControllerState:
+        with self.lock:
+            key = regime(sampling)
+            acceptance = copy.deepcopy(self.acceptance.get(key, Acceptance())).capped(self.prior_weight)
+            calibration = copy.deepcopy(self.calibration.get(key, Calibration()))
+            lookup = [a.capped(self.prior_weight) for a in copy.deepcopy(self.lookup.get(key, lookup_acceptances()))]
+            return ControllerState(acceptance, copy.deepcopy(self.cost), calibration, self.rounds, lookup)
+
+    def finish(self, sampling: SamplingConfig, state: ControllerState) -> None:
+        with self.lock:
+            key = regime(sampling)
+            if key not in self.acceptance:
+                self.acceptance[key] = copy.deepcopy(state.acceptance)
+            else:
+                _blend_acceptance(self.acceptance[key], state.acceptance, self.blend)
+            if key not in self.calibration:
+                self.calibration[key] = copy.deepcopy(state.calibration)
+            else:
+                prior, new = self.calibration[key], state.calibration
+                _blend_into(prior.rates, prior.counts, new.rates, new.counts, self.blend)
+            if key not in self.lookup:
+                self.lookup[key] = copy.deepcopy(state.lookup)
+            else:
+                for prior, new in zip(self.lookup[key], state.lookup):
+                    _blend_acceptance(prior, new, self.blend)
+            self.cost = copy.deepcopy(state.cost)  # timings are shared by every regime
+            self.rounds = max(self.rounds, state.rounds)
+
+
+def _blend_acceptance(prior: Acceptance, new: Acceptance, blend: float) -> None:
+    prior.alpha += blend * (new.alpha - prior.alpha)
+    prior.count = max(prior.count, new.count)
+    _blend_into(prior.by_position, prior.count_by_position, new.by_position, new.count_by_position, blend)
+
+
+def _blend_into(values: list[float], counts: list[float], new_values: list[float], new_counts: list[float],
+                blend: float) -> None:
+    """Move each prior EWMA `blend` of the way to a request's, keeping the larger
+    evidence count; entries only the request has are taken as they are."""
+    for i, value in enumerate(new_values):
+        if i < len(values):
+            values[i] += blend * (value - values[i])
+            counts[i] = max(counts[i], new_counts[i])
+        else:
+            values.append(value)
+            counts.append(new_counts[i])

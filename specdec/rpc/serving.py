@@ -1,0 +1,189 @@
+"""gRPC server lifecycle shared by the three services.
+
+By the book: health reports NOT_SERVING until the service has warmed up; on
+SIGTERM or SIGINT it turns NOT_SERVING, stops gracefully (in-flight calls get a
+grace period), and flushes telemetry. Message sizes are set explicitly.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specdec.rpc import telemetry
+from specdec.rpc.errors import StatusInterceptor
+from specdec.rpc.security import BearerToken, BearerTokenInterceptor, ClientTls, ServerTls, warn_if_token_in_clear
+
+log = logging.getLogger(__name__)
+
+# Set explicitly rather than left to gRPC's defaults (4 MB in, unlimited out).
+# Between the services: a Qwen2 tokenizer.json is ~7 MB, draft probs ~1.5 MB a round.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The public API: a prompt beyond the context window of any model here is far smaller.
+MAX_PUBLIC_MESSAGE_BYTES = 4 * 1024 * 1024
+# A backend that restarts is found again within a couple of seconds, not gRPC's default 2 minutes.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+def message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
+
+
+
+def channel(address: str, tls: ClientTls | None = None, token: str | None = None,
+            max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
+    """A channel to one of our services: TLS when `tls` is given, the bearer token on every call."""
+    options = message_options(max_message_bytes) + RECONNECT_OPTIONS
+    if tls is None and token is None:
+        return grpc.insecure_channel(address, options=options)
+    credentials = tls.credentials() if tls else grpc.local_channel_credentials()
+    if token is not None:
+        credentials = grpc.composite_channel_credentials(
+            credentials, grpc.metadata_call_credentials(BearerToken(token)))
+    return grpc.secure_channel(address, credentials, options=options)
+
+
+@dataclass
+class RunningServer:
+    server: grpc.Server
+    health: health.HealthServicer
+    port: int                       # the TCP port; 0 when serving on a Unix domain socket
+    service_names: tuple[str, ...]
+    address: str = ""               # what clients dial: HOST:PORT, or unix:PATH
+    metrics_port: int | None = None  # the coordinator's Prometheus endpoint, when on
+    # Waits (up to the given seconds) for handlers still unwinding after the server stopped.
+    drain: Callable[[float], bool] | None = None
+    health_server: grpc.Server | None = None  # the health-only listener, when --health-port is set
+    health_port: int | None = None
+    on_stop: Callable[[], None] | None = None  # after the server has stopped (a model service: drop its sessions)
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("",) + self.service_names:
+            self.health.set(name, status)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self.set_serving(False)
+        self.server.stop(grace_s).wait()
+        if self.health_server is not None:
+            self.health_server.stop(0)
+        # Calls cut off at the grace period stop within a round; let them end their sessions.
+        if self.drain is not None and not self.drain(10.0):
+            log.warning("requests still running 10 s after the server stopped")
+        if self.on_stop is not None:
+            self.on_stop()
+
+
+def start_server(
+    register: Callable[[grpc.Server], None],
+    service_names: Iterable[str],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_workers: int = 16,
+    traced: bool = True,
+    tls: ServerTls | None = None,
+    auth_token: str | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    uds: str | None = None,
+) -> RunningServer:
+    """Start a server with the status interceptor, health (NOT_SERVING) and reflection.
+
+    traced: a server span per call when tracing is on (the coordinator says no:
+    its `generate` span is the root of each trace).
+    max_workers: calls served at once; keep it above the session limit so that
+    health checks are answered while every session is busy.
+    uds: serve on this Unix domain socket instead of HOST:PORT (sidecar mode: only
+    who can enter its directory can call; no TCP port at all)."""
+    interceptors = [*(telemetry.server_interceptors() if traced else []), StatusInterceptor()]
+    if auth_token is not None:
+        interceptors.insert(0, BearerTokenInterceptor(auth_token))  # refused before any work or span
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=interceptors,
+        options=message_options(max_message_bytes),
+    )
+    register(server)
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = tuple(service_names)
+    reflection.enable_server_reflection(names + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    warn_if_token_in_clear(host, tls, auth_token, uds)
+    address = f"unix:{uds}" if uds else f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot bind {address}")
+    server.start()
+    running = RunningServer(server, health_servicer, 0 if uds else bound, names,
+                            address if uds else f"{host}:{bound}")
+    running.set_serving(False)
+    return running
+
+
+def serve_health(running: RunningServer, host: str, port: int) -> int:
+    """A second, plaintext listener with only grpc.health.v1, sharing the main
+    server's status. Kubelet gRPC probes reach it on the pod IP while the service
+    itself stays on loopback, or behind TLS, which those probes cannot speak."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
+    health_pb2_grpc.add_HealthServicer_to_server(running.health, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the health port {host}:{port}")
+    server.start()
+    running.health_server, running.health_port = server, bound
+    return bound
+
+
+def catch_stop_signals() -> threading.Event:
+    """SIGTERM/SIGINT set the returned event from now on. Called before a service
+    starts serving, so that a signal right after it reports SERVING is not missed."""
+    stopping = threading.Event()
+
+    def handle(signum, _frame) -> None:
+        log.info("signal %d: NOT_SERVING, draining", signum)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+    return stopping
+
+
+def run_until_signal(running: RunningServer, grace_s: float = 10.0, on_stop: Callable[[], None] | None = None,
+                     stopping: threading.Event | None = None) -> None:
+    """Block until SIGTERM/SIGINT (`stopping`, from catch_stop_signals), then
+    NOT_SERVING, graceful stop (in-flight calls get grace_s), flush spans."""
+    stopping = stopping or catch_stop_signals()
+    # Waking now and then: a signal delivered to another thread only sets a flag,
+    # and Python runs the handler when the main thread next runs Python code.
+    while not stopping.wait(0.2):
+        pass
+    running.stop(grace_s)
+    if on_stop:
+        on_stop()
+    telemetry.shutdown()
+
+
+def wait_until_serving(address: str, timeout_s: float, service: str = "", tls: ClientTls | None = None) -> None:
+    """Block until `address` reports SERVING, or raise TimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    with channel(address, tls) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        last = "no answer"
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                last = f"{exc.code().name}: {exc.details()}"
+            time.sleep(0.1)
+    raise TimeoutError(f"{address} not SERVING after {timeout_s:.0f} s (last: {last})")

@@ -1,0 +1,181 @@
+"""Model loading: an HF directory, a GGUF file, or a registry name.
+
+No machine here reaches a model hub, so nothing is ever loaded by hub id: a
+name that is neither a local path nor a registry entry is refused with a
+message saying what is accepted.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import pathlib
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specdec.runtime.quant import int4, int8
+
+from specdec.runtime import lean, model_cache, torch_thread
+
+from specdec.weights import registry, tiny
+from specdec.rpc.errors import FailedPrecondition, InvalidArgument
+from specdec.weights.tokenizer_fingerprint import tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference, and the facts the services report about it."""
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    dtype: str
+    device: torch.device
+    quantization: str
+    vocab_size: int            # tokenizer ids; logits beyond are masked
+    model_vocab_size: int      # embedding rows (may be padded)
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    fingerprint: str
+    lean: lean.LeanForward | None = None  # None: transformers' forward
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        ids += value if isinstance(value, list) else [value] if value is not None else []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(sorted(set(int(i) for i in ids)))
+
+
+def _source(name: str) -> pathlib.Path | None:
+    """The HF directory or .gguf file a model name stands for, pulling a registry
+    model first; None for the tiny models, which are built, not loaded."""
+    if name in tiny.TINY_NAMES:
+        return None
+    path = registry.pull(name) if name in registry.MODELS else pathlib.Path(name).expanduser()
+    if (path.is_dir() and (path / "config.json").exists()) or (path.is_file() and path.suffix == ".gguf"):
+        return path
+    raise InvalidArgument(
+        f"cannot load model {name!r}: expected an HF model directory (with config.json), a .gguf file, "
+        f"or a registry name ({', '.join([*registry.MODELS, *tiny.TINY_NAMES])}); models are never fetched "
+        "from a hub")
+
+
+def _from_pretrained(cls, path: pathlib.Path, **kwargs):
+    if path.is_dir():
+        return cls.from_pretrained(path, local_files_only=True, **kwargs)
+    return cls.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True, **kwargs)
+
+
+def _load_weights(name: str, source: pathlib.Path | None, torch_dtype: torch.dtype) -> PreTrainedModel:
+    if source is None:
+        return tiny.build(name)[0].to(torch_dtype)
+    return _from_pretrained(AutoModelForCausalLM, source, dtype=torch_dtype)
+
+
+def _load_tokenizer(name: str, source: pathlib.Path | None) -> PreTrainedTokenizerBase:
+    if source is None:
+        return tiny.build_tokenizer(mismatch=name == "tiny-mismatch-draft")
+    return _from_pretrained(AutoTokenizer, source)
+
+
+def _cache_root(name: str, source: pathlib.Path | None) -> pathlib.Path | None:
+    """Where a model's converted forms are kept: beside a registry model, or under
+    $SPECDEC_HOME for a local file (keyed by its path, size and time)."""
+    if source is None:
+        return None  # a tiny model: built in a second; nothing to save
+    if name in registry.MODELS:
+        return registry.model_dir(registry.lookup(name))
+    path = source.resolve()
+    stat = (path / "config.json" if path.is_dir() else path).stat()
+    digest = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return registry.home() / "converted-local" / digest
+
+
+QUANTIZE = ("none", "int8", "int4")
+FORWARDS = ("lean", "hf")
+
+
+def gguf_source(name: str) -> pathlib.Path | None:
+    """The GGUF file a model's weights come from, if they come from one."""
+    if name in registry.MODELS:
+        entry = registry.lookup(name)
+        path = registry.model_dir(entry) / entry.gguf_name
+        return path if path.is_file() else None
+    path = pathlib.Path(name).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def _quantized(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device,
+               quantize: str, head_vocab: int) -> PreTrainedModel:
+    if quantize == "int4" and device.type == "cuda":
+        int4.quantize_cuda(model)
+    elif quantize == "int4":
+        report = int4.quantize_from_gguf(model, str(gguf_source(name)))
+        log.info("%s: int4 from Q4_K blocks on %d Linear layers; %d in int8 (other GGUF types), "
+                 "%d did not match their GGUF tensor and were kept", name, report["int4"], report["int8"],
+                 report["mismatched"])
+    elif quantize == "int8":
+        special = [*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder, *_eos_ids(model, tokenizer)]
+        model = int8.quantize_model(model, device, head_vocab=head_vocab, special_ids=special)
+    return model
+
+
+@torch_thread.runs_on_it  # see specdec.runtime.torch_thread: the process's torch work stays on one thread
+def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize: str = "none",
+               head_vocab: int = 0, forward: str = "lean") -> LoadedModel:
+    if dtype not in DTYPES:
+        raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if quantize not in QUANTIZE:
+        raise InvalidArgument(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    if forward not in FORWARDS:
+        raise InvalidArgument(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
+    torch_device = torch.device(device)
+    source = _source(name)  # pulls a registry model first, so its GGUF is there for int4
+    if quantize == "int4" and gguf_source(name) is None:
+        raise InvalidArgument(f"--quantize int4 builds its weights from a GGUF's Q4_K blocks; {name!r} has no "
+                              "GGUF source (give a .gguf file or a registry name)")
+    tokenizer = _load_tokenizer(name, source)
+    settings = dict(quantize=quantize, dtype=dtype, head_vocab=head_vocab if quantize == "int8" else 0)
+    root = _cache_root(name, source) if quantize != "none" and torch_device.type == "cpu" else None
+    entry = model_cache.entry_dir(root, settings) if root else None
+    model = model_cache.load(entry) if entry else None
+    if model is None:
+        model = _quantized(name, _load_weights(name, source, DTYPES[dtype]).to(torch_device).eval(), tokenizer,
+                           torch_device, quantize, head_vocab)
+        if entry:
+            try:
+                model_cache.save(model, entry, settings)
+            except OSError as error:
+                log.warning("could not save the converted model to %s (%s); the next start converts again",
+                            entry, error)
+    dtype = {"int4": f"{dtype}+int4", "int8": "fp32+int8"}.get(quantize, dtype)
+    vocab = tokenizer.get_vocab()
+    vocab_size = max(vocab.values()) + 1
+    model_vocab = int(model.get_input_embeddings().weight.shape[0])
+    if vocab_size > model_vocab:
+        raise FailedPrecondition(
+            f"{name}: tokenizer has {vocab_size} ids but the model only {model_vocab} output rows")
+    lean_forward = None
+    if forward == "lean":
+        if (why_not := lean.supports(model)) is None:
+            lean_forward = lean.LeanForward(model)
+        else:
+            log.info("%s: transformers' forward (%s)", name, why_not)
+    loaded = LoadedModel(
+        name=name, model=model, tokenizer=tokenizer, dtype=dtype, device=torch_device, quantization=quantize,
+        vocab_size=vocab_size, model_vocab_size=model_vocab,
+        max_context=int(getattr(model.config, "max_position_embeddings", 2048)),
+        eos_token_ids=_eos_ids(model, tokenizer), fingerprint=tokenizer_fingerprint(tokenizer), lean=lean_forward)
+    log.info("loaded %s (%s, %s, quantize=%s, head_vocab=%s, vocab %d/%d, %s forward)", name, dtype, device,
+             quantize, head_vocab or "all", vocab_size, model_vocab, "lean" if lean_forward else "transformers'")
+    return loaded

@@ -1,0 +1,268 @@
+"""What the drafter and the verifier servicers share: Info, GetTokenizer, and the
+session lifecycle around a store with a TTL. Each service adds its own calls."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Generic, Iterator, Protocol, Sequence, TypeVar
+
+import psutil
+
+from specdec.runtime import torch_thread
+from specdec.runtime.batching import CallStats, RowCost, Scheduler, lean_batch_forward
+from specdec.rpc.errors import InvalidArgument
+from specdec.runtime.kv_cache import PREFILL_CHUNK, SequenceCache, Steps
+from specdec.runtime.kv_pool import KVPool
+from specdec.runtime.models import LoadedModel
+from specdec.rpc.security import ServerTls, refuse_if_exposed
+from specdec.rpc.serving import RunningServer, start_server
+from specdec.rpc.sessions import SessionStore
+from specdec.weights.tokenizer_fingerprint import tokenizer_files
+from specdec.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+
+class Transactional(Protocol):
+    """A session whose calls can be undone: what `ModelServiceBase.session` needs."""
+    def snapshot(self) -> object: ...
+    def restore(self, state: object) -> None: ...
+
+
+S = TypeVar("S", bound=Transactional)
+T = TypeVar("T")
+MAX_PROPOSE_TOKENS = 32
+MAX_BATCH_ROWS = 512
+KV_SHARE_OF_AVAILABLE = 0.4  # --kv-cache-mb 0: this share of the memory available at start
+
+
+def validate_token_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"{what} contains token id {bad}, outside the vocabulary (0..{vocab_size - 1})")
+
+
+class ModelServiceBase(Generic[S]):
+    """Mixin for a servicer holding one model and its sessions."""
+
+    def __init__(self, loaded: LoadedModel, new_session: Callable[..., S], store: SessionStore[S],
+                 pool: KVPool | None = None, scheduler: Scheduler | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK):
+        self.loaded = loaded
+        self.sessions = store
+        self._new_session = new_session  # (loaded, prompt, pool, prefill=False) -> S
+        self._tokenizer_files: dict[str, bytes] | None = None
+        self.curve = CostCurve([], 0.0)  # measured at warm-up
+        self.pool = pool
+        self.scheduler = scheduler or new_scheduler(loaded)
+        self.prefill_chunk = prefill_chunk
+
+    def run_call(self, steps: Steps[T]) -> tuple[T, common_pb2.BatchStats]:
+        """A call's steps through the scheduler: its forwards batched with other
+        sessions'; its result, and what the scheduler did for it (for the response)."""
+        result, stats = self.scheduler.run(steps)
+        return result, batch_stats(stats, self.scheduler.pending_calls + 1)
+
+    def Info(self, request, context) -> common_pb2.ModelInfo:
+        m = self.loaded
+        return common_pb2.ModelInfo(
+            model=m.name, dtype=m.dtype, device=str(m.device), quantization=m.quantization,
+            vocab_size=m.vocab_size, model_vocab_size=m.model_vocab_size, max_context=m.max_context,
+            eos_token_ids=list(m.eos_token_ids), tokenizer_fingerprint=m.fingerprint,
+            active_sessions=len(self.sessions), max_propose_tokens=MAX_PROPOSE_TOKENS,
+            forward_ms=self.curve.forward_ms, prefill_ms_per_token=self.curve.prefill_ms_per_token,
+            forwards=self.scheduler.forwards, forward_rows=self.scheduler.forward_rows,
+            pending_calls=self.scheduler.pending_calls,
+            kv_tokens_used=self.pool.used_tokens if self.pool else 0,
+            kv_tokens_budget=self.pool.budget_tokens if self.pool else 0, session_ttl_s=self.sessions.ttl_s)
+
+    def GetTokenizer(self, request, context) -> common_pb2.TokenizerFiles:
+        if self._tokenizer_files is None:
+            self._tokenizer_files = tokenizer_files(self.loaded.tokenizer)
+        return common_pb2.TokenizerFiles(files=self._tokenizer_files)
+
+    def StartSession(self, request, context) -> common_pb2.StartSessionResponse:
+        prompt = list(request.prompt_token_ids)
+        if not prompt:
+            raise InvalidArgument("prompt_token_ids is empty: a session needs at least one token")
+        if len(prompt) >= self.loaded.max_context:
+            raise InvalidArgument(
+                f"prompt has {len(prompt)} tokens; the context window of {self.loaded.name} is "
+                f"{self.loaded.max_context}, leaving no room to generate")
+        validate_token_ids(prompt, self.loaded.vocab_size, "prompt_token_ids")
+        session = self.sessions.create(request.session_id, lambda: self._prefilled(prompt))
+        return common_pb2.StartSessionResponse(
+            session_id=request.session_id, cached_tokens=session.seq.cached,
+            tokenizer_fingerprint=self.loaded.fingerprint)
+
+    def _prefilled(self, prompt: list[int]) -> S:
+        # In chunks, through the scheduler: other sessions' rounds go on between them.
+        session = self._new_session(self.loaded, prompt, self.pool, prefill=False)
+        self.run_call(session.seq.prefill_steps(self.prefill_chunk))
+        return session
+
+    @contextmanager
+    def session(self, session_id: str) -> Iterator[S]:
+        """The session, held for one call. A call that fails leaves it exactly as
+        it was (tokens, KV cache, round state, random generator): the calls check
+        their input before changing anything, and this undoes whatever a failure
+        past the checks had changed."""
+        with self.sessions.use(session_id) as session:
+            state = session.snapshot()
+            try:
+                yield session
+            except BaseException:
+                session.restore(state)
+                raise
+
+    def KeepAlive(self, request, context) -> common_pb2.KeepAliveResponse:
+        return common_pb2.KeepAliveResponse(existed=self.sessions.touch(request.session_id))
+
+    def EndSession(self, request, context) -> common_pb2.EndSessionResponse:
+        return common_pb2.EndSessionResponse(existed=self.sessions.remove(request.session_id))
+
+
+def new_scheduler(loaded: LoadedModel, max_rows: int = MAX_BATCH_ROWS) -> Scheduler:
+    """Batched forwards on the lean forward; on transformers' forward, each alone."""
+    return Scheduler(lean_batch_forward(loaded.lean) if loaded.lean else None, max_rows=max_rows)
+
+
+def batch_stats(stats: CallStats, pending_calls: int) -> common_pb2.BatchStats:
+    return common_pb2.BatchStats(forwards=stats.forwards, rows=stats.rows, max_rows=stats.max_rows,
+                                 queue_ms=stats.queue_ms, pending_calls=pending_calls, calls=stats.calls)
+
+
+def kv_pool(loaded: LoadedModel, kv_cache_mb: float) -> KVPool | None:
+    """The service's KV cache budget: --kv-cache-mb, or with 0 a share of the memory
+    available at start. None for a model on transformers' forward (its own cache)."""
+    if loaded.lean is None:
+        return None
+    budget = kv_cache_mb * 2**20 if kv_cache_mb > 0 else KV_SHARE_OF_AVAILABLE * available_memory()
+    return KVPool.of_bytes(int(budget), loaded.lean.token_bytes())
+
+
+def available_memory() -> int:
+    """Bytes this process can still take: the machine's available memory, or less
+    under a cgroup limit (a container's: psutil sees the host's memory there)."""
+    available = psutil.virtual_memory().available
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = open(limit_file).read().strip()
+            usage = int(open(usage_file).read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:  # "max", or v1's huge number: no limit
+            available = min(available, max(int(limit) - usage, 0))
+        break
+    return available
+
+
+def warm_up(loaded: LoadedModel) -> None:
+    """One short forward so the first request does not pay for lazy init."""
+    ids = loaded.tokenizer.encode("warm up", add_special_tokens=False) or [0]
+    SequenceCache(loaded, ids).forward([], keep_last=1)
+
+
+CURVE_PREFIX = 128  # tokens cached before each timed forward: a short prompt's worth
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    forward_ms: list[float]        # [rows] one forward over 1..rows new rows after the prefix
+    prefill_ms_per_token: float    # the prefix's prefill, per token
+
+    @classmethod
+    def parse(cls, text: str) -> "CostCurve":
+        """'MS,MS,...[:PREFILL_MS]': ms of one forward over 1, 2, ... rows, and
+        optionally the prefill's ms per prompt token (default: the 1-row ms)."""
+        curve, _, prefill = text.strip().partition(":")
+        try:
+            forward = [float(v) for v in curve.split(",") if v.strip()]
+            per_token = float(prefill) if prefill.strip() else (forward[0] if forward else 0.0)
+        except ValueError:
+            forward, per_token = [], -1.0
+        if not forward or per_token < 0 or any(not ms > 0 for ms in forward):
+            raise ValueError(f"a cost curve is 'MS,MS,...[:PREFILL_MS]' with positive ms, got {text!r}")
+        return cls(forward, per_token)
+
+
+# A pinned curve for each service, read where no --cost-curve is given: set for a
+# whole test run (or a fleet's start), it reaches every service, in-process or not.
+COST_CURVE_ENV = {"Drafter": "SPECDEC_DRAFTER_COST_CURVE", "Verifier": "SPECDEC_VERIFIER_COST_CURVE"}
+
+
+def pinned_curve(service_name: str) -> CostCurve | None:
+    """The curve the environment pins for this service (its COST_CURVE_ENV variable), if any."""
+    value = os.environ.get(COST_CURVE_ENV.get(service_name.rsplit(".", 1)[-1], ""), "")
+    return CostCurve.parse(value) if value.strip() else None
+
+
+def measure_cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> CostCurve:
+    """The least ms of `repeats` forwards over 1..rows new rows after a CURVE_PREFIX-token
+    prefix: what verifying γ = rows - 1 drafts costs, or a draft step (1 row).
+    Rows are not free in every precision (int4 takes 4 a kernel pass), so the
+    coordinator plans γ on this curve rather than on a line. And what the prefix's
+    prefill cost per token: the coordinator weighs a drafter's prefill of a long
+    prompt against what drafting can save."""
+    if rows <= 0:
+        return CostCurve([], 0.0)
+    ids = [(7 * i + 3) % loaded.vocab_size for i in range(CURVE_PREFIX + rows)]
+    prefills = []
+    for _ in range(2):
+        seq = SequenceCache(loaded, ids[:CURVE_PREFIX])
+        started = time.perf_counter()
+        seq.prefill()  # all but the last prefix token
+        prefills.append((time.perf_counter() - started) * 1e3 / (CURVE_PREFIX - 1))
+    seq.forward([], keep_last=1)
+    curve = []
+    for n in range(1, rows + 1):
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            seq.forward(ids[CURVE_PREFIX:CURVE_PREFIX + n], keep_last=n)
+            times.append((time.perf_counter() - started) * 1e3)
+            seq.truncate(CURVE_PREFIX)  # the rollback a rejected draft gets
+        curve.append(round(min(times), 3))  # the least disturbed: another process may share the cores
+    return CostCurve(curve, round(min(prefills), 4))
+
+
+def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, service_name: str,
+                loaded: LoadedModel, host: str = "127.0.0.1", port: int = 0, session_ttl_s: float = 600.0,
+                max_sessions: int = 256, tls: ServerTls | None = None, uds: str | None = None,
+                cost_curve_rows: int = 0, kv_cache_mb: float = 0.0, prefill_chunk: int = PREFILL_CHUNK,
+                max_batch_rows: int = MAX_BATCH_ROWS, cost_curve: CostCurve | None = None,
+                auth_token: str | None = None) -> RunningServer:
+    """Start a model service; it reports SERVING only once the model is warm.
+    `cost_curve`: publish this curve instead of timing one at warm-up (None: the
+    one the environment pins, else timed over `cost_curve_rows` rows)."""
+    refuse_if_exposed(service_name, host, tls, uds, auth_token)
+    if prefill_chunk < 1 or max_batch_rows < 1:
+        raise ValueError(f"--prefill-chunk ({prefill_chunk}) and --max-batch-rows ({max_batch_rows}) must be >= 1")
+    store = SessionStore(ttl_s=session_ttl_s, max_sessions=max_sessions)
+    store.start_reaper()
+    pool = kv_pool(loaded, kv_cache_mb)
+    scheduler = new_scheduler(loaded, max_batch_rows)
+    servicer = servicer_cls(loaded, session_cls, store, pool, scheduler, prefill_chunk)
+    # A worker per session and a few spare, so health checks are answered under full load.
+    running = start_server(lambda server: add_to_server(servicer, server), [service_name], host=host, port=port,
+                           max_workers=max_sessions + 8, tls=tls, uds=uds, auth_token=auth_token)
+    running.on_stop = store.close
+    torch_thread.run(warm_up, loaded)
+    pinned = cost_curve or pinned_curve(service_name)
+    servicer.curve = pinned or torch_thread.run(measure_cost_curve, loaded, cost_curve_rows)
+    log.info("%s: forward ms by rows (1..%d): %s; prefill %.2f ms a token%s", service_name,
+             len(servicer.curve.forward_ms), ", ".join(f"{ms:.1f}" for ms in servicer.curve.forward_ms),
+             servicer.curve.prefill_ms_per_token, " (pinned, not measured)" if pinned else "")
+    if servicer.curve.forward_ms:  # batches sized on the measured curve
+        scheduler.cost = RowCost(servicer.curve.forward_ms)
+    if pool is not None:
+        log.info("%s: KV cache pool of %d tokens (%.0f MiB); batches of up to %d rows, prefill chunks of %d",
+                 service_name, pool.budget_tokens, pool.budget_tokens * pool.token_bytes / 2**20, max_batch_rows,
+                 prefill_chunk)
+    running.set_serving(True)
+    return running

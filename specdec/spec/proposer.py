@@ -1,0 +1,130 @@
+"""Candidate generation behind one small interface.
+
+The coordinator's loop only sees a `Proposer`: the remote drafter model is one,
+and the hybrid (specdec.spec.hybrid) is another: n-gram lookups (specdec.spec.ngram),
+free, and the draft model where they find nothing or beyond them. The verifier
+never knows which produced a draft; it only needs the drafted ids and the
+distributions they were sampled from.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Sequence
+
+from specdec.spec.sampling import SamplingConfig
+from specdec.spec.wire import DraftProbs
+
+MODEL, NGRAM = "model", "ngram"  # the draft sources
+
+
+class ProposerUnavailable(Exception):
+    """The proposer cannot go on with this generation (its service died, lost
+    the session, refused it). Drafting only ever saves time, so the loop goes on
+    with the proposer's free drafts (`free_only`), or target-only decoding: the
+    output is the same."""
+
+    def __init__(self, reason: str, code=None):
+        super().__init__(reason)
+        self.code = code  # the grpc.StatusCode behind it, when there is one
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The outcome of the previous round, as the proposer must learn it."""
+    num_accepted: int                          # drafted tokens the verifier kept
+    target_token_ids: tuple[int, ...] = ()     # recovered/bonus token, and any target-only tokens since
+
+
+@dataclass(frozen=True)
+class BatchLoad:
+    """What a model service's batching scheduler did for one call: how full the
+    forwards it shared were, and how long it waited for them."""
+    forwards: int = 0
+    mean_rows: float = 0.0     # rows per forward, every call's
+    mean_calls: float = 0.0    # calls per forward, itself included (1: it ran alone)
+    queue_ms: float = 0.0
+
+    @classmethod
+    def from_proto(cls, batch) -> "BatchLoad":
+        n = batch.forwards
+        return cls(n, batch.rows / n, batch.calls / n, batch.queue_ms) if n else cls()
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A free draft candidate: what followed the latest earlier occurrence of the
+    context's suffix, and how many tokens of the context that occurrence matches."""
+    token_ids: tuple[int, ...] = ()
+    match_length: int = 0
+
+
+@dataclass(frozen=True)
+class Proposal:
+    token_ids: tuple[int, ...]                 # [n]: the n-gram prefix, then the model's drafts
+    # [n] when temperature > 0: the exact distribution each token was sampled
+    # from, as it travels (sparse, dense, or one-hot for a lookup's; specdec.spec.wire).
+    draft_probs: tuple[DraftProbs, ...] = ()
+    confidences: tuple[float, ...] = ()        # [n - ngram_tokens] the model's, when it drafted
+    batch: BatchLoad = BatchLoad()             # a model proposer's service: its batching
+    ngram_tokens: int = 0                      # the first this many came from a lookup (free)
+
+    @property
+    def model_tokens(self) -> int:
+        return len(self.token_ids) - self.ngram_tokens
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The rejection sampler's outcome for one proposal, as the coordinator sees it."""
+    num_accepted: int     # draft tokens kept, a prefix of the proposal
+    next_token_id: int    # the target's own token after them: recovered, or bonus when all were accepted
+    bonus: bool
+    batch: BatchLoad = BatchLoad()
+    draft_bytes: int = 0  # the draft data sent to the verifier: token ids and probabilities, serialized
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """Target-only tokens from one Decode call."""
+    token_ids: list[int]
+    batch: BatchLoad = BatchLoad()
+
+
+class Proposer(abc.ABC):
+    """Proposes draft tokens for one generation (one session)."""
+
+    drafts_with_model = True  # propose(n > 0) runs a draft model (costs forwards)
+    looks_up = False          # `lookup` may find free drafts
+
+    @abc.abstractmethod
+    def start(self, session_id: str, prompt_ids: Sequence[int]) -> None: ...
+
+    def ready(self) -> None:
+        """Block until the session `start` opened is usable; raise if it is not.
+        (Called before the first round, whatever γ that round gets.)"""
+
+    def lookup(self, context: Sequence[int], max_tokens: int) -> Lookup:
+        """A free draft for the round after `context` (the prompt and every token
+        decided so far), if this proposer has a free source."""
+        return Lookup()
+
+    def keep_alive(self) -> None:
+        """Between rounds: keep what the proposer holds remotely alive while the
+        request runs; raise ProposerUnavailable if it cannot go on."""
+
+    def free_only(self) -> "Proposer | None":
+        """This proposer without its draft model (whose prefill does not pay, or
+        which failed): its free sources alone, or None if it has none."""
+        return None
+
+    @abc.abstractmethod
+    def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None,
+                min_confidence: float = 0.0, prefix: Sequence[int] = ()) -> Proposal:
+        """Apply `commit` (absent on the first call), then propose `prefix` (tokens
+        from a lookup) followed by up to `num_tokens` tokens, stopping after one
+        the proposer gives less than `min_confidence` (a proposer without
+        probabilities may ignore it)."""
+
+    @abc.abstractmethod
+    def end(self) -> None: ...

@@ -1,0 +1,76 @@
+"""The rejection sampler: pure tensor math, no I/O.
+
+Leviathan et al. 2022 (Algorithm 1) and Chen et al. 2023: a drafted token x at
+position i is accepted with probability min(1, target_probs[i, x] / draft_probs[i, x]).
+At the first rejection the recovered token is drawn from
+norm(max(0, target_probs[i] - draft_probs[i])) and the round ends; when every
+drafted token is accepted, a bonus token is drawn from target_probs[gamma].
+The tokens that come out are distributed exactly as the target's own samples.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.spec.sampling import sample_from
+
+
+@dataclass(frozen=True)
+class RejectionOutput:
+    num_accepted: int               # drafted tokens kept, 0..gamma
+    output_token_ids: torch.Tensor  # [num_accepted + 1]: accepted drafts, then the recovered or bonus token
+    bonus: bool                     # True when all drafts were accepted
+
+    @property
+    def next_token_id(self) -> int:
+        return int(self.output_token_ids[-1])
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,  # [gamma] long
+    draft_probs: torch.Tensor,      # [gamma, V] the distributions the drafts were sampled from
+    target_probs: torch.Tensor,     # [gamma + 1, V] row i scores draft position i; the last row the bonus
+    generator: torch.Generator,
+) -> RejectionOutput:
+    gamma = draft_token_ids.shape[0]
+    assert draft_token_ids.dim() == 1, draft_token_ids.shape
+    assert draft_probs.shape == (gamma, target_probs.shape[-1]), (draft_probs.shape, target_probs.shape)
+    assert target_probs.shape[0] == gamma + 1, (target_probs.shape, gamma)
+
+    # One uniform per position, drawn up front: the stream of draws (and so a
+    # seeded result) does not depend on where the first rejection falls.
+    # (On the generator's device, which draws only there; then the probabilities'.)
+    uniforms = torch.rand(gamma, generator=generator, device=generator.device).to(target_probs.device)
+    positions = torch.arange(gamma, device=target_probs.device)
+    target_at_draft = target_probs[positions, draft_token_ids]   # [gamma]
+    draft_at_draft = draft_probs[positions, draft_token_ids]     # [gamma]
+    # u < p/q  <=>  u * q < p  (no division; q > 0 for any token the drafter could sample)
+    accepted = uniforms * draft_at_draft < target_at_draft         # [gamma] bool
+    rejected = (~accepted).nonzero()
+    num_accepted = int(rejected[0]) if rejected.numel() else gamma
+
+    if num_accepted < gamma:
+        residual = (target_probs[num_accepted] - draft_probs[num_accepted]).clamp_min(0)
+        total = residual.sum()
+        # A rejection needs p(x) < q(x) somewhere, so p - q has positive mass; the
+        # guard only covers float round-off when p and q are (almost) equal.
+        next_token = sample_from(residual / total if total > 0 else target_probs[num_accepted], generator)
+    else:
+        next_token = sample_from(target_probs[gamma], generator)
+    output = torch.cat([draft_token_ids[:num_accepted].cpu(), torch.tensor([next_token])])
+    return RejectionOutput(num_accepted, output, bonus=num_accepted == gamma)
+
+
+def greedy_accept(
+    draft_token_ids: torch.Tensor,   # [gamma] long
+    target_token_ids: torch.Tensor,  # [gamma + 1] the target's argmax at each position
+) -> RejectionOutput:
+    """Temperature 0: accept while the draft equals the target's argmax."""
+    gamma = draft_token_ids.shape[0]
+    assert draft_token_ids.dim() == 1 and target_token_ids.shape == (gamma + 1,), (
+        draft_token_ids.shape, target_token_ids.shape)
+    mismatch = (draft_token_ids.cpu() != target_token_ids[:gamma].cpu()).nonzero()
+    num_accepted = int(mismatch[0]) if mismatch.numel() else gamma
+    output = target_token_ids[: num_accepted + 1].cpu().clone()
+    return RejectionOutput(num_accepted, output, bonus=num_accepted == gamma)

@@ -1,0 +1,94 @@
+"""The bench's questions, tasks and system names, and one run's record."""
+from __future__ import annotations
+
+import json
+import pathlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+DEFAULT_QUESTIONS = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / \
+    "questions_dev.jsonl"
+TARGET_ONLY, HF_GENERATE, HF_ASSISTED, AUTO = "target-only", "hf-generate", "hf-assisted", "spec-auto"
+BF16 = "-bf16"
+TARGET_ONLY_BF16, AUTO_BF16 = TARGET_ONLY + BF16, AUTO + BF16
+LLAMA_CPP, LLAMA_CPP_SPEC = "llama-cpp", "llama-cpp-spec"
+LLAMA_CPP_DRAFT = 4  # tokens per round for llama-cpp-spec
+AUTO_NOSTOP = "spec-auto-nostop"
+AUTO_MODEL = "spec-auto-model"
+REPLICA = "-replica"
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
+def task_of(category: str) -> str:
+    """Spec-Bench's task for a category: its six tasks, MT-bench's eight categories pooled."""
+    return "mt_bench" if category in MT_BENCH else category
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: str
+    category: str
+    prompt: str
+
+
+@dataclass
+class Run:
+    system: str
+    question_id: str
+    category: str
+    temperature: float
+    new_tokens: int
+    seconds: float
+    token_ids: list[int] = field(repr=False)
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    prefill_ms: float = 0.0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    first_token_ms: float = 0.0  # from the call until the first token was decided
+    sources: dict = field(default_factory=dict)  # per draft source: {rounds, draft_tokens, accepted_tokens}
+    draft_bytes: int = 0         # draft data sent to the verifier
+    drafting_rounds: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def load_questions(path: pathlib.Path, categories: list[str] | None, limit: int | None,
+                   per_task: int | None = None, skip: int = 0) -> list[Question]:
+    """First turns of Spec-Bench questions. `limit` applies per category;
+    `per_task` takes that many per Spec-Bench task, round-robin over the task's
+    categories, and at least one of each category. `skip` passes over each
+    category's first questions (a second sample of prompts)."""
+    by_category: dict[str, list[Question]] = defaultdict(list)
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            category = row["category"]
+            if categories and category not in categories:
+                continue
+            by_category[category].append(Question(str(row["question_id"]), category, row["turns"][0]))
+    by_category = {c: qs[skip:] for c, qs in by_category.items() if qs[skip:]}
+    if per_task is not None:
+        tasks: dict[str, list[list[Question]]] = defaultdict(list)
+        for category, qs in by_category.items():
+            tasks[task_of(category)].append(qs)
+        chosen = {q.question_id for members in tasks.values() for q in _round_robin(members, per_task)}
+        questions = [q for qs in by_category.values() for q in qs if q.question_id in chosen]
+    else:
+        questions = [q for qs in by_category.values() for q in qs[:limit]]
+    if not questions:
+        raise SystemExit(f"bench: no questions in {path} for categories {categories}")
+    return questions
+
+
+def _round_robin(members: list[list[Question]], n: int) -> list[Question]:
+    """n questions (at least one per category) taken in turn from each category's list."""
+    taken, depth, want = [], 0, max(n, len(members))
+    while len(taken) < want and any(depth < len(qs) for qs in members):
+        taken += [qs[depth] for qs in members if depth < len(qs)][: want - len(taken)]
+        depth += 1
+    return taken

@@ -1,0 +1,195 @@
+"""The summary of a bench run: per category and task, the best fixed γ, the table and the chart."""
+from __future__ import annotations
+
+import pathlib
+import statistics
+from collections import defaultdict
+
+from specdec_tools.bench.data import (AUTO, AUTO_MODEL, BF16, HF_ASSISTED, HF_GENERATE, LLAMA_CPP, REPLICA, Run,
+                                      TARGET_ONLY, TARGET_ONLY_BF16, task_of)
+
+
+def reference_of(system: str) -> str | None:
+    """The system whose greedy output `system` must reproduce token for token, if any:
+    speculation against target-only of the same stack, assisted against plain
+    generate. llama.cpp computes with other kernels, so nothing is expected of it."""
+    if system.startswith(LLAMA_CPP) or system in (TARGET_ONLY, TARGET_ONLY_BF16, HF_GENERATE):
+        return None
+    if system == HF_ASSISTED:
+        return HF_GENERATE
+    return TARGET_ONLY_BF16 if system.endswith(BF16) else TARGET_ONLY
+
+
+def summarize(runs: list[Run], systems: list[str]) -> list[dict]:
+    """One row per (group, temperature, system). Groups: each category, each
+    Spec-Bench task that pools several (mt_bench), and 'all'; in that order."""
+    by_key: dict[tuple, list[Run]] = defaultdict(list)
+    for run in runs:
+        for category in dict.fromkeys((run.category, task_of(run.category), "all")):
+            by_key[(category, run.temperature, run.system)].append(run)
+    reference = {(r.system, r.question_id, r.temperature): r for r in runs}
+    rows = []
+    for (category, temperature, system), group in sorted(by_key.items(), key=lambda kv: (
+            kv[0][0] == "all", task_of(kv[0][0]) == kv[0][0], kv[0][0], kv[0][1], systems.index(kv[0][2]))):
+        tokens, seconds = sum(r.new_tokens for r in group), sum(r.seconds for r in group)
+        row = dict(category=category, temperature=temperature, system=system, runs=len(group), new_tokens=tokens,
+                   seconds=round(seconds, 3), tokens_per_second=round(tokens / seconds, 3) if seconds else 0.0)
+        drafted, accepted, rounds = (sum(getattr(r, k) for r in group) for k in (
+            "draft_tokens", "accepted_tokens", "rounds"))
+        firsts = [r.first_token_ms for r in group if r.first_token_ms > 0]
+        if firsts:
+            row["first_token_ms"] = round(statistics.median(firsts), 1)
+        if drafted:
+            row["drafted_per_round"] = round(drafted / rounds, 3)
+            prefill_s, draft_s, verify_s = (sum(getattr(r, k) for r in group) / 1e3 for k in (
+                "prefill_ms", "draft_ms", "verify_ms"))
+            row.update(acceptance_rate=round(accepted / drafted, 4),
+                       mean_accepted_length=round((accepted + rounds) / rounds, 3),
+                       prefill_share=round(prefill_s / seconds, 3),
+                       draft_share=round(draft_s / seconds, 3), verify_share=round(verify_s / seconds, 3),
+                       overhead_share=round(1 - (prefill_s + draft_s + verify_s) / seconds, 3))
+            drafting_rounds, draft_bytes = (sum(getattr(r, k) for r in group) for k in ("drafting_rounds",
+                                                                                         "draft_bytes"))
+            row.update(draft_bytes_per_token=round(draft_bytes / drafted, 1),
+                       draft_bytes_per_round=round(draft_bytes / drafting_rounds, 1) if drafting_rounds else 0.0)
+            for source in ("ngram", "model"):
+                counts = [r.sources[source] for r in group if source in r.sources]
+                source_drafted = sum(c["draft_tokens"] for c in counts)
+                if source_drafted:
+                    row[f"{source}_draft_share"] = round(source_drafted / drafted, 3)
+                    row[f"{source}_acceptance"] = round(sum(c["accepted_tokens"] for c in counts) / source_drafted,
+                                                        4)
+        if temperature == 0 and reference_of(system):
+            same = [r.token_ids == reference[key].token_ids for r in group
+                    if (key := (reference_of(system), r.question_id, r.temperature)) in reference]
+            row["greedy_identical"] = f"{sum(same)}/{len(same)}"
+        rows.append(row)
+    speed = {(r["category"], r["temperature"], r["system"]): r["tokens_per_second"] for r in rows}
+    for row in rows:
+        key = (row["category"], row["temperature"])
+        for name, base in (("speedup_vs_target_only", TARGET_ONLY), ("speedup_vs_target_only_bf16", TARGET_ONLY_BF16),
+                           ("speedup_vs_hf_assisted", HF_ASSISTED), ("speedup_vs_spec_auto_model", AUTO_MODEL)):
+            if speed.get((*key, base)):
+                row[name] = round(row["tokens_per_second"] / speed[(*key, base)], 3)
+    # Time to first token against target-only of the same precision (the bf16 stack's against its own).
+    first = {(r["category"], r["temperature"], r["system"]): r.get("first_token_ms") for r in rows}
+    for row in rows:
+        base = TARGET_ONLY_BF16 if row["system"].endswith(BF16) else TARGET_ONLY
+        mine, theirs = row.get("first_token_ms"), first.get((row["category"], row["temperature"], base))
+        if mine and theirs and row["system"] != base:
+            row["first_token_vs_target_only"] = round(mine / theirs, 3)
+    return rows
+
+
+def best_gamma(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    """Per group and temperature: the fastest fixed γ, and auto's speed relative
+    to it. With a replica (`--replicate-gamma`), the replica's too: it does the
+    same work as a fixed γ, so its ratio is what noise alone does to a system
+    that is exactly as good as a fixed γ. Picking the best of several noisy
+    systems is biased upward, and the replica shows by how much."""
+    speed = {(r["category"], r["temperature"], r["system"]): r["tokens_per_second"] for r in rows}
+    replica = next((s for (_, _, s) in speed if s.endswith(REPLICA)), None)
+    picks: dict[str, dict[str, dict]] = defaultdict(dict)
+    for (group, temperature, system), tps in speed.items():
+        if not system.startswith("spec-g") or system.endswith(REPLICA):
+            continue
+        pick = picks[group].setdefault(f"T={temperature:g}", dict(temperature=temperature, best=system,
+                                                                   best_tokens_per_second=tps))
+        if tps > pick["best_tokens_per_second"]:
+            pick.update(best=system, best_tokens_per_second=tps)
+    for group, temps in picks.items():
+        for pick in temps.values():
+            temperature, best = pick["temperature"], pick["best_tokens_per_second"]
+            if (group, temperature, AUTO) in speed:
+                pick["auto_vs_best"] = round(speed[(group, temperature, AUTO)] / best, 3)
+            if replica is not None:
+                mine, twin = (speed[(group, temperature, s)] for s in (replica, replica.removesuffix(REPLICA)))
+                pick["replica_vs_best"], pick["replica_vs_twin"] = round(mine / best, 3), round(mine / twin, 3)
+    return dict(picks)
+
+
+def within(picks: dict[str, dict[str, dict]], groups: list[str], field: str, margin: float = 0.05) -> str:
+    """'k/n': in how many (group, temperature) cells `field` is within `margin` of the best fixed γ."""
+    cells = [pick[field] for g in groups for pick in picks.get(g, {}).values() if field in pick]
+    return f"{sum(c >= 1 - margin for c in cells)}/{len(cells)}"
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# specdec bench: {meta['pair']} ({meta['draft']} -> {meta['target']})", "",
+             f"{meta['questions']} questions, {meta['max_new_tokens']} new tokens, "
+             f"temperatures {meta['temperatures']}, torch threads {meta['threads']}, {meta['wall_s']:.0f} s in all. "
+             "tok/s counts output tokens over client-side wall time, prefill included.", ""]
+    header = ("| system | tok/s | vs target-only | vs target-only-bf16 | vs hf-assisted | vs spec-auto-model | "
+              "acceptance | drafted / round | mean acc. len | ngram: share, acceptance | model acceptance | "
+              "draft bytes / token | first token ms (vs target-only) | "
+              "prefill / draft / verify / overhead | greedy identical |")
+    for category in dict.fromkeys(r["category"] for r in rows):
+        for temperature in dict.fromkeys(r["temperature"] for r in rows if r["category"] == category):
+            lines += [f"## {category}, T={temperature:g}", "", header, "|" + "---|" * 15]
+            for r in rows:
+                if r["category"] != category or r["temperature"] != temperature:
+                    continue
+                split = " / ".join(f"{r[k + '_share']:.0%}" for k in ("prefill", "draft", "verify", "overhead")) \
+                    if "draft_share" in r else ""
+                speedups = [f"{r[k]:.2f}x" if k in r else "" for k in (
+                    "speedup_vs_target_only", "speedup_vs_target_only_bf16", "speedup_vs_hf_assisted",
+                    "speedup_vs_spec_auto_model")]
+                ngram = f"{r['ngram_draft_share']:.0%}, {r['ngram_acceptance']:.2f}" if "ngram_acceptance" in r else ""
+                first = f"{r['first_token_ms']:.0f}" if "first_token_ms" in r else ""
+                if "first_token_vs_target_only" in r:
+                    first += f" ({r['first_token_vs_target_only']:.2f}x)"
+                lines.append(
+                    f"| {r['system']} | {r['tokens_per_second']:.2f} | {' | '.join(speedups)} | "
+                    f"{r.get('acceptance_rate', '')} | {r.get('drafted_per_round', '')} | "
+                    f"{r.get('mean_accepted_length', '')} | {ngram} | {r.get('model_acceptance', '')} | "
+                    f"{r.get('draft_bytes_per_token', '')} | {first} | {split} | {r.get('greedy_identical', '')} |")
+            lines.append("")
+    picks, keys = meta["best_gamma"], meta["temperature_keys"]
+    replica = any("replica_vs_best" in pick for temps in picks.values() for pick in temps.values())
+    fields = {"auto_vs_best": "auto / best"} | (
+        {"replica_vs_best": "replica / best", "replica_vs_twin": "replica / twin"} if replica else {})
+    columns = ["best fixed", *fields.values()]
+    lines += ["## best fixed gamma, and auto's speed relative to it", "",
+              "Spec-Bench tasks first (MT-bench's categories pooled), then the categories. "
+              + ("The replica repeats a fixed γ, same work and same outputs: its ratios are the noise floor. "
+                 if replica else "") + "A ratio of 0.95 or more is within 5% of the best.", "",
+              "| group | " + " | ".join(f"{k}: {c}" for k in keys for c in columns) + " |",
+              "|---|" + "---|" * (len(keys) * len(columns))]
+    tasks = [g for g in picks if g == "all" or task_of(g) == g]
+    for group in tasks + [g for g in picks if g not in tasks]:
+        cells = []
+        for key in keys:
+            pick = picks[group].get(key, {})
+            cells.append(f"{pick['best']} {pick['best_tokens_per_second']:.2f}" if pick else "")
+            cells += [f"{pick[f]:.2f}x" if f in pick else "" for f in fields]
+        lines.append(f"| {group} | " + " | ".join(cells) + " |")
+    lines += ["", f"Within 5% of the best fixed γ, Spec-Bench tasks and temperatures: auto {meta['auto_within_5pct']}"
+              + (f", replica {meta['replica_within_5pct']}" if replica else "") + "."]
+    return "\n".join(lines) + "\n"
+
+
+def chart(rows: list[dict], systems: list[str], out: pathlib.Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temperatures = list(dict.fromkeys(r["temperature"] for r in rows))
+    categories = list(dict.fromkeys(r["category"] for r in rows))
+    fig, axes = plt.subplots(len(temperatures), 1, figsize=(max(8, 1.2 * len(categories) * len(systems) / 3),
+                                                           3.5 * len(temperatures)), squeeze=False)
+    width = 0.8 / len(systems)
+    speed = {(r["category"], r["temperature"], r["system"]): r["tokens_per_second"] for r in rows}
+    for ax, temperature in zip(axes[:, 0], temperatures):
+        for i, system in enumerate(systems):
+            ax.bar([c + i * width for c in range(len(categories))],
+                   [speed.get((cat, temperature, system), 0) for cat in categories], width, label=system)
+        ax.set_xticks([c + 0.4 - width / 2 for c in range(len(categories))], categories, rotation=20, fontsize=8)
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"T={temperature:g}")
+    axes[0, 0].legend(fontsize=7, ncol=len(systems))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+# --- main ---------------------------------------------------------------------

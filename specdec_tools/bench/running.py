@@ -1,0 +1,164 @@
+"""`specdec bench`'s command line and its run: every system on every prompt, interleaved."""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+from dataclasses import asdict
+
+from specdec_tools import launcher
+from specdec.runtime import torch_thread
+from specdec.runtime.models import gguf_source, load_model
+from specdec.weights.pairs import PAIRS
+from specdec_tools.bench.data import (AUTO, AUTO_BF16, AUTO_MODEL, AUTO_NOSTOP, BF16, DEFAULT_QUESTIONS, HF_ASSISTED,
+                                      HF_GENERATE, LLAMA_CPP, LLAMA_CPP_SPEC, REPLICA, Run, TARGET_ONLY,
+                                      TARGET_ONLY_BF16, load_questions, task_of)
+from specdec_tools.bench.report import best_gamma, chart, markdown, summarize, within
+from specdec_tools.bench.systems import InProcessSystems, LlamaCppSystems, ServiceSystems, chat_ids
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="specdec bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", default="qwen-coder", choices=sorted(PAIRS))
+    p.add_argument("--questions", type=pathlib.Path, default=DEFAULT_QUESTIONS)
+    p.add_argument("--categories", help="comma-separated (default: all)")
+    p.add_argument("--limit", type=int, help="questions per category")
+    p.add_argument("--skip", type=int, default=0, help="pass over each category's first N questions")
+    p.add_argument("--per-task", type=int,
+                   help="questions per Spec-Bench task instead, spread over its categories (at least one each)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gammas", default="2,4,6")
+    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--no-hf", action="store_true", help="skip the in-process transformers baselines")
+    p.add_argument("--no-target-only", action="store_true", help="skip target-only (no speedups against it)")
+    p.add_argument("--no-model-only", action="store_true",
+                   help="skip spec-auto-model (auto γ, the draft model alone: no n-gram lookups)")
+    p.add_argument("--no-bf16", action="store_true",
+                   help="skip the second stack (bf16 target)")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="also run llama.cpp on the target's GGUF (needs llama-cpp-python)")
+    p.add_argument("--replicate-gamma", type=int, metavar="N",
+                   help="run spec-gN twice, as spec-gN and spec-gN-replica: the run's own noise floor")
+    p.add_argument("--ablate-confidence-stop", action="store_true",
+                   help="also run spec-auto without the draft-confidence early stop")
+    p.add_argument("--quick", action="store_true",
+                   help="under 5 minutes: one question of each of 3 short-prompt categories, 32 new tokens")
+    p.add_argument("--threads", type=int, default=2, help="torch threads, for the services and in-process alike")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"))
+    args = p.parse_args(argv)
+    if args.replicate_gamma is not None and str(args.replicate_gamma) not in args.gammas.split(","):
+        p.error(f"--replicate-gamma {args.replicate_gamma} must be one of --gammas ({args.gammas})")
+    if args.quick:
+        args.limit = args.limit or 1
+        args.max_new_tokens = min(args.max_new_tokens, 32)
+        # Short prompts, so the few tokens measure decoding rather than prefill.
+        args.categories = args.categories or "coding,math_reasoning,translation"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    torch_thread.set_threads(args.threads)
+    pair = PAIRS[args.pair]
+    categories = args.categories.split(",") if args.categories else None
+    questions = load_questions(args.questions, categories, args.limit, args.per_task, args.skip)
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    systems = [f"spec-g{int(g)}" for g in args.gammas.split(",") if g] + [AUTO] + (
+        [] if args.no_model_only else [AUTO_MODEL]) + ([] if args.no_target_only else [TARGET_ONLY])
+    if not args.no_bf16 and pair.target_quantize != "none":
+        systems += [AUTO_BF16, TARGET_ONLY_BF16]
+    if args.llama_cpp:
+        systems += [LLAMA_CPP, LLAMA_CPP_SPEC]
+    if args.replicate_gamma is not None:
+        systems.insert(systems.index(AUTO), f"spec-g{args.replicate_gamma}{REPLICA}")
+    if args.ablate_confidence_stop:
+        systems.insert(systems.index(AUTO) + 1, AUTO_NOSTOP)
+    if not args.no_hf:
+        systems += [HF_GENERATE, HF_ASSISTED]
+    say = lambda message: print(f"bench: {message}", file=sys.stderr, flush=True)  # noqa: E731
+    launcher.pull_models([pair.draft, pair.target], say=say)
+    options = launcher.StackOptions.for_pair(pair, port=0, threads=args.threads)
+    stack = launcher.Stack(options)
+    stacks = [stack]
+    started = time.perf_counter()
+    try:
+        say(f"starting the {args.pair} services")
+        coordinator = stack.launch()
+        services = ServiceSystems(coordinator.address, args.max_new_tokens)
+        bf16_services = None
+        if AUTO_BF16 in systems:
+            say("starting the bf16 stack (bf16 target)")
+            stacks.append(launcher.Stack(launcher.StackOptions.for_pair(
+                pair, port=0, threads=args.threads, target_quantize="none")))
+            bf16_services = ServiceSystems(stacks[-1].launch().address, args.max_new_tokens)
+        target = load_model(pair.target, dtype=pair.target_dtype)
+        in_process = None
+        if not args.no_hf:
+            draft = load_model(pair.draft, dtype=pair.draft_dtype, quantize=pair.draft_quantize,
+                               head_vocab=pair.draft_head_vocab)
+            in_process = InProcessSystems(target, draft, args.max_new_tokens)
+        runs: list[Run] = []
+        prompts = {q: chat_ids(target.tokenizer, q.prompt) for q in questions}
+        llama = None
+        if args.llama_cpp:
+            context = min(max(len(p) for p in prompts.values()) + args.max_new_tokens + 64, target.max_context)
+            llama = LlamaCppSystems(gguf_source(pair.target), gguf_source(pair.draft), args.threads,
+                                    args.max_new_tokens, target.eos_token_ids, context)
+        too_long = [q for q in questions if len(prompts[q]) + args.max_new_tokens > target.max_context]
+        for q in too_long:
+            say(f"skipping {q.category} q{q.question_id}: {len(prompts[q])} prompt tokens + {args.max_new_tokens} "
+                f"exceed the target's context window ({target.max_context})")
+        questions = [q for q in questions if q not in too_long]
+        total = len(questions) * len(temperatures) * len(systems)
+        args.out.mkdir(parents=True, exist_ok=True)
+        progress = open(args.out / "runs.jsonl", "w", encoding="utf-8")  # every run as it ends: a crash loses none
+        for qi, question in enumerate(questions):
+            prompt_ids = prompts[question]
+            for temperature in temperatures:
+                shift = (qi * len(temperatures) + temperatures.index(temperature)) % len(systems)
+                for system in systems[shift:] + systems[:shift]:
+                    runner = (in_process if system in (HF_GENERATE, HF_ASSISTED) else
+                              llama if system.startswith(LLAMA_CPP) else
+                              bf16_services if system.endswith(BF16) else services)
+                    run = runner.run(system, question, temperature, args.seed + qi, prompt_ids)
+                    runs.append(run)
+                    progress.write(json.dumps(asdict(run)) + "\n")
+                    progress.flush()
+                    say(f"[{len(runs)}/{total} {time.perf_counter() - started:.0f} s] {question.category} "
+                        f"q{question.question_id} T={temperature:g} "
+                        f"{system}: {run.new_tokens} tokens in {run.seconds:.1f} s "
+                        f"({run.tokens_per_second:.2f} tok/s)")
+        services.close()
+        progress.close()
+    finally:
+        for one in stacks:
+            one.stop()
+    rows = summarize(runs, systems)
+    picks = best_gamma(rows)
+    tasks = sorted({task_of(q.category) for q in questions})
+    meta = dict(pair=args.pair, draft=pair.draft, target=pair.target, questions=len(questions),
+                skipped=[f"{q.category}/{q.question_id}" for q in too_long],
+                max_new_tokens=args.max_new_tokens, temperatures=temperatures, threads=args.threads,
+                systems=systems, wall_s=time.perf_counter() - started,
+                temperature_keys=[f"T={t:g}" for t in temperatures], best_gamma=picks,
+                auto_within_5pct=within(picks, tasks, "auto_vs_best"),
+                replica_within_5pct=within(picks, tasks, "replica_vs_best"),
+                median_tokens_per_second={s: statistics.median(r.tokens_per_second for r in runs if r.system == s)
+                                          for s in systems})
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.json").write_text(json.dumps(
+        dict(meta=meta, summary=rows, runs=[asdict(r) for r in runs]), indent=1))
+    table = markdown(rows, meta)
+    (args.out / "bench.md").write_text(table)
+    chart(rows, systems, args.out / "bench.png")
+    print(table)
+    say(f"wrote {args.out / 'bench.json'}, {args.out / 'bench.md'}, {args.out / 'bench.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

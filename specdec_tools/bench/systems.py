@@ -1,0 +1,174 @@
+"""The systems a bench run compares: the services, in-process transformers, llama.cpp."""
+from __future__ import annotations
+
+import pathlib
+import time
+
+import numpy as np
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from specdec.runtime import torch_thread
+from specdec.runtime.models import LoadedModel
+from specdec.rpc.serving import channel
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from specdec_tools.bench.data import (AUTO, AUTO_MODEL, AUTO_NOSTOP, BF16, HF_ASSISTED, LLAMA_CPP, LLAMA_CPP_DRAFT,
+                                      LLAMA_CPP_SPEC, Question, REPLICA, Run, TARGET_ONLY)
+
+
+class ServiceSystems:
+    """spec-gN and target-only: Generate calls to the coordinator over gRPC."""
+
+    def __init__(self, address: str, max_new_tokens: int):
+        self.channel = channel(address)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.max_new_tokens = max_new_tokens
+
+    def run(self, system: str, question: Question, temperature: float, seed: int, prompt_ids: list[int]) -> Run:
+        mode = system.removesuffix(BF16)  # the bf16 stack serves the same systems
+        request = coordinator_pb2.GenerateRequest(max_new_tokens=self.max_new_tokens)
+        request.messages.messages.add(role="user", content=question.prompt)
+        request.sampling.CopyFrom(common_pb2.SamplingParams(temperature=temperature, seed=seed))
+        if mode == TARGET_ONLY:
+            request.speculation.enabled = False
+        elif mode in (AUTO, AUTO_NOSTOP, AUTO_MODEL):
+            # No gamma: the coordinator's default, auto. A seeded sample would be
+            # served at a fixed gamma (reproducibility), so auto runs unseeded.
+            request.sampling.ClearField("seed")
+            if mode == AUTO_NOSTOP:
+                request.speculation.confidence_stop = False
+            if mode == AUTO_MODEL:
+                request.speculation.proposer = coordinator_pb2.PROPOSER_KIND_MODEL
+        else:
+            request.speculation.gamma = int(mode.removeprefix("spec-g").removesuffix(REPLICA))
+        start = time.perf_counter()
+        response = self.stub.Generate(request, timeout=3600)
+        seconds = time.perf_counter() - start
+        stats = response.stats
+        # The services and the in-process baselines must see the same prompt.
+        assert stats.prompt_tokens == len(prompt_ids), (stats.prompt_tokens, len(prompt_ids))
+        return Run(system, question.question_id, question.category, temperature, len(response.token_ids), seconds,
+                   list(response.token_ids), stats.rounds, stats.draft_tokens, stats.accepted_tokens,
+                   stats.prefill_ms, stats.draft_ms, stats.verify_ms, stats.first_token_ms,
+                   {d.source: dict(rounds=d.rounds, draft_tokens=d.draft_tokens, accepted_tokens=d.accepted_tokens)
+                    for d in stats.draft_sources}, stats.draft_bytes,
+                   round(stats.draft_bytes / stats.draft_bytes_per_round) if stats.draft_bytes_per_round else 0)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class InProcessSystems:
+    """hf-generate and hf-assisted: transformers in this process, same weights."""
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel, max_new_tokens: int):
+        self.target, self.draft, self.max_new_tokens = target, draft, max_new_tokens
+
+    @torch_thread.runs_on_it  # where the models were loaded: one OpenMP team in this process
+    def run(self, system: str, question: Question, temperature: float, seed: int, prompt_ids: list[int]) -> Run:
+        ids = torch.tensor([prompt_ids], device=self.target.device)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(
+            do_sample=False, temperature=None, top_k=None, top_p=None)
+        extra = dict(assistant_model=self.draft.model) if system == HF_ASSISTED else {}
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        first = _FirstToken()
+        with torch.no_grad():
+            out = self.target.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                             max_new_tokens=self.max_new_tokens, streamer=first,
+                                             pad_token_id=self.target.eos_token_ids[0], **sampling, **extra)
+        seconds = time.perf_counter() - start
+        new = out[0, ids.shape[1]:].tolist()
+        # Count as the services do: output stops before the first EOS.
+        eos = set(self.target.eos_token_ids)
+        cut = next((i for i, t in enumerate(new) if t in eos), len(new))
+        return Run(system, question.question_id, question.category, temperature, cut, seconds, new[:cut],
+                   first_token_ms=(first.at - start) * 1e3 if first.at else 0.0)
+
+
+class _FirstToken(BaseStreamer):
+    """When generate() put out its first new token (its first put() is the prompt)."""
+
+    def __init__(self):
+        self.puts, self.at = 0, 0.0
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class LlamaCppSystems:
+    """llama-cpp and llama-cpp-spec: llama.cpp on the pair's GGUF files, in this process,
+    same prompt ids. The binding's draft hook takes any proposer; here it is the draft
+    GGUF, greedy, LLAMA_CPP_DRAFT tokens a round (the binding asks for logits of every
+    row then, prefill included: its cost, not ours)."""
+
+    def __init__(self, target_gguf: pathlib.Path, draft_gguf: pathlib.Path | None, threads: int,
+                 max_new_tokens: int, eos_ids: tuple[int, ...], context: int):
+        try:
+            from llama_cpp import Llama
+        except ImportError as error:
+            raise SystemExit("bench: --llama-cpp needs llama-cpp-python: pip install llama-cpp-python "
+                             "(it compiles llama.cpp; a few minutes)") from error
+        options = dict(n_threads=threads, n_threads_batch=threads, n_ctx=context, verbose=False)
+        self.engines = {LLAMA_CPP: Llama(model_path=str(target_gguf), **options)}
+        if draft_gguf is not None:
+            draft = _LlamaCppDraft(Llama(model_path=str(draft_gguf), **options), LLAMA_CPP_DRAFT)
+            # logits_all=True said explicitly: the binding turns it on for a draft model but
+            # sizes its score buffer from the argument (n_batch rows), which a prompt
+            # longer than one batch overruns.
+            self.engines[LLAMA_CPP_SPEC] = Llama(model_path=str(target_gguf), draft_model=draft, logits_all=True,
+                                                 **options)
+        self.max_new_tokens, self.eos = max_new_tokens, set(eos_ids)
+
+    @torch_thread.runs_on_it  # as the in-process transformers systems
+    def run(self, system: str, question: Question, temperature: float, seed: int, prompt_ids: list[int]) -> Run:
+        llm = self.engines[system]
+        llm.reset()  # no prefix reuse from the previous run
+        if llm.draft_model is not None:
+            llm.draft_model.llm.reset()
+        llm.set_seed(seed)
+        sampling = dict(temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0)
+        out: list[int] = []
+        start = time.perf_counter()
+        first_token_ms = 0.0
+        for token in llm.generate(prompt_ids, reset=True, **sampling):
+            first_token_ms = first_token_ms or (time.perf_counter() - start) * 1e3
+            if token in self.eos:
+                break
+            out.append(token)
+            if len(out) >= self.max_new_tokens:
+                break
+        seconds = time.perf_counter() - start
+        return Run(system, question.question_id, question.category, temperature, len(out), seconds, out,
+                   first_token_ms=first_token_ms)
+
+
+class _LlamaCppDraft:
+    """A draft model for llama-cpp-python's `draft_model` hook: another GGUF, greedy.
+    Its KV cache follows the target's by prefix match (the binding keeps what matches)."""
+
+    def __init__(self, llm, num_tokens: int):
+        self.llm, self.num_tokens = llm, num_tokens
+
+    def __call__(self, input_ids, **kwargs):
+        drafted = []
+        for token in self.llm.generate(input_ids.tolist(), reset=True, temp=0.0, top_k=1):  # keeps the matching prefix
+            drafted.append(token)
+            if len(drafted) >= self.num_tokens:
+                break
+        return np.array(drafted, dtype=np.intc)
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """The coordinator's own recipe for `messages` (template as text, then encode)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# --- summary ------------------------------------------------------------------

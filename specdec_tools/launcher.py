@@ -1,0 +1,260 @@
+"""Start the three services as child processes, as `specdec up` and `specdec bench`
+both need: pull the models, start drafter and verifier at once, wait for their
+SERVING lines, then start the coordinator against them; then supervise them.
+
+Sidecar mode: the drafter and the verifier serve Unix domain sockets in a
+private directory (0700), so only this user reaches them and a round's two RPCs
+skip TCP; `model_transport="tcp"` serves them on loopback ports instead.
+A child that exits is restarted with backoff at the same address (`Supervisor`),
+like a process manager: the coordinator goes on target-only while the drafter is
+away, and answers UNAVAILABLE while the verifier is."""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from specdec.weights import registry
+from specdec.weights.pairs import Pair
+
+
+@dataclass
+class Child:
+    name: str
+    module: str
+    args: list[str]
+    process: subprocess.Popen | None = None
+    address: str = ""
+    serving: threading.Event = field(default_factory=threading.Event)
+    started_at: float = 0.0
+    restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
+
+    def start(self) -> "Child":
+        """(Re)start `python -m module`; `wait_serving` waits for its 'NAME SERVING on ADDRESS' line."""
+        # Few malloc arenas: glibc otherwise keeps one per busy thread (gRPC workers),
+        # and freed KV caches linger in them as RSS. A fixed mmap threshold: glibc
+        # raises its own to the size of each large block freed, after which KV pages
+        # (14.7 MB for 256 tokens of the 1.5B) come from the heap and stay in RSS
+        # once their sessions end (+16% after 32 sessions at once); mmapped, they go back.
+        env = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(4 << 20), **os.environ, **self.env}
+        self.serving = threading.Event()
+        self.process = process = subprocess.Popen([sys.executable, "-u", "-m", self.module, *self.args],
+                                                  stdout=subprocess.PIPE, text=True, env=env)
+        self.started_at = time.monotonic()
+        serving = self.serving
+
+        def read() -> None:
+            for line in process.stdout:  # keep draining, so a chatty child never blocks
+                if not serving.is_set() and " SERVING on " in line:
+                    self.address = line.split(" SERVING on ", 1)[1].split()[0]
+                    serving.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        return self
+
+    def pin_address(self) -> None:
+        """A restart must come back where its clients look: the port it got, not port 0."""
+        if "--port" in self.args and not self.address.startswith("unix:"):
+            self.args[self.args.index("--port") + 1] = self.address.rsplit(":", 1)[1]
+
+
+BACKEND_TOKEN_ENV = "SPECDEC_BACKEND_TOKEN"  # the stack's own token for its model services over TCP
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def spawn(name: str, module: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+    return Child(name, module, list(args), env=dict(env or {})).start()
+
+
+def wait_serving(child: Child, ready_timeout_s: float) -> Child:
+    deadline = time.monotonic() + ready_timeout_s
+    while not child.serving.wait(0.1):
+        if child.process.poll() is not None:
+            raise LaunchError(f"{child.name} exited with code {child.process.returncode} before serving")
+        if time.monotonic() > deadline:
+            child.process.terminate()
+            raise LaunchError(f"{child.name} not serving after {ready_timeout_s:.0f} s")
+    child.pin_address()
+    return child
+
+
+def stop(children: list[Child], grace_s: float = 30.0) -> None:
+    """SIGTERM the coordinator first and let it drain its requests, then the
+    model services it was using (they would otherwise fail its in-flight rounds)."""
+    front = [c for c in children if c.name == "coordinator"]
+    for group in (front, [c for c in children if c not in front]):
+        for child in group:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        for child in group:
+            try:
+                child.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+
+
+@dataclass(frozen=True)
+class Backoff:
+    first_s: float = 0.5     # the first restart waits this long, each next one twice as long ...
+    max_s: float = 30.0      # ... up to this
+    healthy_s: float = 60.0  # a child that ran this long starts over at first_s
+
+    def delay(self, restarts: int) -> float:
+        return min(self.max_s, self.first_s * 2 ** restarts)
+
+
+class Supervisor:
+    """Restarts children that exit, with exponential backoff, at their addresses."""
+
+    def __init__(self, children: list[Child], say: Callable[[str], None], backoff: Backoff = Backoff()):
+        self.children = children
+        self.say = say
+        self.backoff = backoff
+        self._due: dict[str, float] = {}  # child name -> when to restart it
+        self._back: set[str] = set()      # restarted, not yet serving again
+
+    def poll(self) -> None:
+        """One look at every child: note exits, restart what is due, report comebacks."""
+        now = time.monotonic()
+        for child in self.children:
+            code = child.process.poll()
+            if code is None:
+                if child.name in self._back and child.serving.is_set():
+                    self._back.discard(child.name)
+                    self.say(f"{child.name} is back on {child.address} (pid {child.process.pid})")
+                continue
+            if child.name not in self._due:
+                if now - child.started_at >= self.backoff.healthy_s:
+                    child.restarts = 0
+                delay = self.backoff.delay(child.restarts)
+                self._due[child.name] = now + delay
+                consequence = {"drafter": "requests go on target-only meanwhile",
+                               "verifier": "requests get UNAVAILABLE meanwhile"}.get(child.name, "")
+                self.say(f"{child.name} (pid {child.process.pid}) exited with code {code}; restarting in "
+                         f"{delay:.1f} s{'; ' + consequence if consequence else ''}")
+            elif now >= self._due[child.name]:
+                del self._due[child.name]
+                child.restarts += 1
+                child.start()
+                self._back.add(child.name)
+                self.say(f"{child.name} restarted (pid {child.process.pid}, restart {child.restarts})")
+
+
+@dataclass
+class StackOptions:
+    pair: Pair
+    draft_model: str
+    target_model: str
+    draft_quantize: str
+    head_vocab: int
+    target_quantize: str = "none"
+    forward: str = "lean"  # the model services' forward: lean, or hf (transformers')
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    gamma: str = "auto"
+    gamma_max: int = 0  # 0: from the verifier's cost curve
+    trace_file: str | None = None
+    ready_timeout_s: float = 900.0
+    threads: int = 0
+    model_transport: str = "uds"  # drafter and verifier on Unix sockets in a private directory, or "tcp" (loopback)
+    coordinator_args: tuple[str, ...] = ()  # passed on as they are (auth, TLS, limits)
+
+    @classmethod
+    def for_pair(cls, pair: Pair, **overrides) -> "StackOptions":
+        """The pair's models and settings; overrides that are None keep the pair's."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if given.get("device", "cpu") != "cpu" and "target_quantize" not in given and pair.target_quantize == "int4":
+            given["target_quantize"] = "none"  # int4 runs torch's CPU kernel; a GPU serves the pair's dtype
+        return cls(**{"pair": pair, "draft_model": pair.draft, "target_model": pair.target,
+                      "draft_quantize": pair.draft_quantize, "head_vocab": pair.draft_head_vocab,
+                      "target_quantize": pair.target_quantize, **given})
+
+
+def _dtype(pair_dtype: str, quantize: str) -> str:
+    # int4 runs its kernel on bf16 activations: the rest of the model runs bf16 too.
+    return "bf16" if quantize == "int4" else pair_dtype
+
+
+def pull_models(names: list[str], say=print) -> None:
+    """Pull registry models once, here, rather than in two services at once."""
+    for name in dict.fromkeys(names):
+        if name in registry.MODELS and not registry.is_pulled(registry.lookup(name)):
+            registry.pull(name, on_step=say)
+
+
+class SocketDir:
+    """A private (0700) directory for the model services' sockets, removed at the end."""
+
+    def __init__(self):
+        self.path = tempfile.mkdtemp(prefix="specdec-")  # mkdtemp makes it 0700
+
+    def socket(self, name: str) -> str:
+        return os.path.join(self.path, f"{name}.sock")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+class Stack:
+    """The three services of one `StackOptions`, their socket directory, and their end."""
+
+    def __init__(self, options: StackOptions):
+        self.options = options
+        self.children: list[Child] = []  # in start order, so a failed launch stops what did start
+        self.sockets = SocketDir() if options.model_transport == "uds" else None
+        # Over TCP, even on loopback, any local user could call the model services:
+        # they require a token made for this stack, which only its processes hold.
+        self.env = {} if self.sockets else {BACKEND_TOKEN_ENV: secrets.token_urlsafe(32)}
+
+    def launch(self) -> Child:
+        """Start all three and return the serving coordinator."""
+        options = self.options
+        tracing = ["--trace-file", options.trace_file] if options.trace_file else []
+        common = ["--device", options.device, "--threads", str(options.threads), "--forward", options.forward,
+                  *tracing]
+        # The drafter first, then the verifier: each times its forwards at warm-up
+        # (the cost curve in Info), which the other's loading would disturb.
+        self.children.append(spawn("drafter", "drafter", [
+            "--model", options.draft_model, "--dtype", _dtype(options.pair.draft_dtype, options.draft_quantize),
+            "--quantize", options.draft_quantize, "--head-vocab", str(options.head_vocab), *self._listen("drafter"),
+            *common], self.env))
+        drafter = wait_serving(self.children[-1], options.ready_timeout_s)
+        self.children.append(spawn("verifier", "verifier", [
+            "--model", options.target_model, "--dtype", _dtype(options.pair.target_dtype, options.target_quantize),
+            "--quantize", options.target_quantize, *self._listen("verifier"),
+            *common], self.env))
+        verifier = wait_serving(self.children[-1], options.ready_timeout_s)
+        self.children.append(spawn("coordinator", "coordinator", [
+            "--drafter", drafter.address, "--verifier", verifier.address, "--host", options.host,
+            "--port", str(options.port), "--gamma", str(options.gamma), "--gamma-max", str(options.gamma_max),
+            *tracing, *self._backend_auth(), *options.coordinator_args], self.env))
+        return wait_serving(self.children[-1], options.ready_timeout_s)
+
+    def _listen(self, name: str) -> list[str]:
+        if self.sockets is not None:
+            return ["--uds", self.sockets.socket(name)]
+        return ["--host", "127.0.0.1", "--port", "0", "--auth-token-env", BACKEND_TOKEN_ENV]
+
+    def _backend_auth(self) -> list[str]:
+        return ["--backend-auth-token-env", BACKEND_TOKEN_ENV] if self.env else []
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        stop(self.children, grace_s)
+        if self.sockets is not None:
+            self.sockets.remove()

@@ -1,0 +1,289 @@
+"""specdec load: N concurrent clients against the whole gRPC stack.
+
+    specdec load --pair tiny --clients 1,4,16,32 --requests 64
+    specdec load --pair smollm2-self --clients 1,4,8 --requests 16 --max-new-tokens 32
+    specdec load --address HOST:PORT ...          # a stack that is already running
+    specdec load --pair qwen-coder --clients 1,8,32 --per-client 2 --systems spec-auto,target-only
+
+For each client count it sends a fixed number of requests (a mix of greedy and
+sampled, fixed length) and reports latency p50/p99, throughput, and errors by
+status code. When it starts the stack itself it also reads each service's RSS:
+after a warm-up at the highest concurrency, and again after the whole run, so a
+leak (sessions, KV caches) shows as growth. Requests refused with
+RESOURCE_EXHAUSTED (admission control, --max-sessions) are counted apart from
+errors. `--systems` runs each level once per system, interleaved: spec-auto
+(adaptive γ, the default) and target-only (speculation off) on the same stack.
+Per level it also sums what the responses' stats say: tokens drafted and
+accepted, requests that drafted at all, and the verifier's batching (rows per
+forward its calls shared, their queue waits). Prints a table and writes load.json.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import pathlib
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import grpc
+import psutil
+
+from specdec_tools import launcher
+from specdec.weights.pairs import PAIRS
+from specdec.rpc.security import ClientTls, load_token
+from specdec.rpc.serving import channel
+from specdec.v1 import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc
+
+PROMPTS = [
+    "Write a function that returns the sum of two numbers.",
+    "Explain what a hash table is in two sentences.",
+    "The weather today is sunny and",
+    "def fibonacci(n):",
+    "List three uses of a binary search tree.",
+    "Once upon a time there was",
+    "Translate 'good morning' into French and German.",
+    "What is the capital of France?",
+]
+
+
+SYSTEMS = ("spec-auto", "target-only")
+
+
+@dataclass
+class Level:
+    clients: int
+    requests: int
+    system: str = "spec-auto"
+    ok: int = 0
+    refused: int = 0                       # RESOURCE_EXHAUSTED: admission control said no
+    errors: dict[str, int] = field(default_factory=dict)  # any other status, by code
+    error_examples: list[str] = field(default_factory=list)
+    latency_p50_s: float = 0.0
+    latency_p99_s: float = 0.0
+    latency_max_s: float = 0.0
+    wall_s: float = 0.0
+    output_tokens: int = 0
+    tokens_per_s: float = 0.0
+    requests_per_s: float = 0.0
+    drafted_requests: int = 0              # requests that drafted at least one token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_batch_rows: float = 0.0         # mean over requests of their verifier calls' rows per forward
+    verify_queue_ms: float = 0.0           # mean over requests of their verifier calls' waits, summed per request
+    greedy_outputs: dict[int, list[int]] = field(default_factory=dict)  # prompt index -> token ids (T = 0)
+    greedy_same: int = -1                  # of those compared, equal to the first level's for the same prompt
+    greedy_compared: int = 0               # greedy prompts the first level has too
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+def make_request(i: int, max_new_tokens: int, ignore_eos: bool, system: str = "spec-auto") -> pb.GenerateRequest:
+    sampling = common_pb2.SamplingParams(temperature=0.0 if i % 2 == 0 else 0.7)
+    request = pb.GenerateRequest(prompt=PROMPTS[i % len(PROMPTS)], max_new_tokens=max_new_tokens,
+                                 ignore_eos=ignore_eos, sampling=sampling)
+    if system == "target-only":
+        request.speculation.enabled = False
+    return request
+
+
+def run_level(address: str, clients: int, requests: int, args: argparse.Namespace, tls, token,
+              system: str = "spec-auto") -> Level:
+    level = Level(clients, requests, system)
+    latencies: list[float] = []
+    lock = threading.Lock()
+    counter = iter(range(requests))
+    channels = [channel(address, tls, token) for _ in range(clients)]  # one connection per client
+
+    def client(index: int) -> None:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channels[index])
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            started = time.perf_counter()
+            try:
+                response = stub.Generate(make_request(i, args.max_new_tokens, not args.stop_at_eos, system),
+                                         timeout=args.timeout)
+            except grpc.RpcError as exc:
+                with lock:
+                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        level.refused += 1
+                    else:
+                        level.errors[exc.code().name] = level.errors.get(exc.code().name, 0) + 1
+                        if len(level.error_examples) < 5:
+                            level.error_examples.append(f"{exc.code().name}: {exc.details()}")
+                continue
+            with lock:
+                latencies.append(time.perf_counter() - started)
+                level.ok += 1
+                level.output_tokens += len(response.token_ids)
+                if i % 2 == 0:  # greedy (make_request): batching may only change it through roundings
+                    level.greedy_outputs.setdefault(i % len(PROMPTS), list(response.token_ids))
+                stats = response.stats
+                level.drafted_requests += stats.draft_tokens > 0
+                level.draft_tokens += stats.draft_tokens
+                level.accepted_tokens += stats.accepted_tokens
+                level.verify_batch_rows += stats.verify_batch_rows
+                level.verify_queue_ms += stats.verify_queue_ms
+
+    started = time.perf_counter()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+            list(pool.map(client, range(clients)))
+    finally:
+        for ch in channels:
+            ch.close()
+    level.wall_s = time.perf_counter() - started
+    level.latency_p50_s = statistics.median(latencies) if latencies else 0.0
+    if len(latencies) >= 2:
+        level.latency_p99_s = statistics.quantiles(latencies, n=100, method="inclusive")[98]
+    else:
+        level.latency_p99_s = level.latency_p50_s
+    level.latency_max_s = max(latencies, default=0.0)
+    level.tokens_per_s = level.output_tokens / level.wall_s
+    level.requests_per_s = level.ok / level.wall_s
+    if level.ok:
+        level.verify_batch_rows /= level.ok
+        level.verify_queue_ms /= level.ok
+    return level
+
+
+def rss_mib(children: list[launcher.Child]) -> dict[str, float]:
+    return {c.name: psutil.Process(c.process.pid).memory_info().rss / 2**20 for c in children}
+
+
+def compare_greedy(levels: list[Level]) -> None:
+    """How often a greedy output under load equals the same prompt's at the first
+    level (bf16 and int4 sums depend on a batch's rows; fp32 ones barely do)."""
+    first = {}
+    for lv in levels:
+        reference = first.setdefault(lv.system, lv.greedy_outputs)
+        if lv.greedy_outputs is not reference:
+            shared = [k for k in lv.greedy_outputs if k in reference]
+            lv.greedy_compared = len(shared)
+            lv.greedy_same = sum(reference[k] == lv.greedy_outputs[k] for k in shared)
+
+
+def print_table(levels: list[Level], rss: dict) -> None:
+    print("| system | clients | requests | ok | refused | errors | p50 s | p99 s | max s | tok/s | x 1 client | "
+          "req/s | drafted reqs | acceptance | verify rows/fwd | verify queue s/req | greedy as at first level |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    alone = {lv.system: lv.tokens_per_s for lv in levels if lv.clients == 1}
+    for lv in levels:
+        errors = sum(lv.errors.values())
+        ratio = f"{lv.tokens_per_s / alone[lv.system]:.2f}" if alone.get(lv.system) else "-"
+        print(f"| {lv.system} | {lv.clients} | {lv.requests} | {lv.ok} | {lv.refused} | {errors} | "
+              f"{lv.latency_p50_s:.3f} | {lv.latency_p99_s:.3f} | {lv.latency_max_s:.3f} | {lv.tokens_per_s:.1f} | "
+              f"{ratio} | {lv.requests_per_s:.2f} | {lv.drafted_requests} | {lv.acceptance:.2f} | "
+              f"{lv.verify_batch_rows:.1f} | {lv.verify_queue_ms / 1e3:.2f} | "
+              f"{f'{lv.greedy_same}/{lv.greedy_compared}' if lv.greedy_same >= 0 else '-'} |")
+        for example in lv.error_examples:
+            print(f"  error: {example}")
+    if rss:
+        print("\n| service | RSS before MiB | RSS after MiB | growth MiB | growth % |")
+        print("|---|---|---|---|---|")
+        for name, before in rss["before"].items():
+            after = rss["after"][name]
+            print(f"| {name} | {before:.0f} | {after:.0f} | {after - before:+.1f} | {100 * (after - before) / before:+.1f}% |")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="specdec load", description=__doc__.split("\n\n")[0])
+    p.add_argument("--address", help="a running coordinator (default: start --pair on loopback)")
+    p.add_argument("--pair", default="tiny", choices=sorted(PAIRS))
+    p.add_argument("--clients", default="1,4,16,32", help="comma-separated concurrency levels (1..256)")
+    p.add_argument("--requests", type=int, default=64, help="requests per level")
+    p.add_argument("--per-client", type=int, default=0,
+                   help="requests per client at each level instead of --requests (a level of N clients sends N x this)")
+    p.add_argument("--min-requests", type=int, default=0, help="with --per-client: at least this many a level")
+    p.add_argument("--systems", default="spec-auto",
+                   help=f"comma-separated, run interleaved at each level: {', '.join(SYSTEMS)}")
+    p.add_argument("--warmup", type=int, default=-1,
+                   help="requests at the highest concurrency before the levels (default: that many clients)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--stop-at-eos", action="store_true", help="let requests end at EOS (default: fixed length)")
+    p.add_argument("--max-sessions", type=int, help="the coordinator's admission limit, when this starts it")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per model service, when this starts them")
+    p.add_argument("--timeout", type=float, default=300.0, help="per-request deadline in seconds")
+    p.add_argument("--tls-ca", help="CA of a TLS coordinator (--address)")
+    p.add_argument("--auth-token-env", metavar="VAR", help="bearer token from this environment variable")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("load_out"))
+    args = p.parse_args(argv)
+    args.levels = [int(x) for x in args.clients.split(",")]
+    if not all(1 <= n <= 256 for n in args.levels):
+        p.error("--clients takes counts between 1 and 256")
+    args.system_list = [x for x in args.systems.split(",") if x]
+    unknown = [x for x in args.system_list if x not in SYSTEMS]
+    if unknown or not args.system_list:
+        p.error(f"--systems takes {', '.join(SYSTEMS)}; got {args.systems!r}")
+    return args
+
+
+def level_requests(args: argparse.Namespace, clients: int) -> int:
+    return max(args.per_client * clients, args.min_requests) if args.per_client > 0 else args.requests
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    tls = ClientTls(ca=args.tls_ca) if args.tls_ca else None
+    token = load_token(env=args.auth_token_env)
+    stack: launcher.Stack | None = None
+    children: list[launcher.Child] = []
+    try:
+        address = args.address
+        if address is None:
+            extra = ["--max-sessions", str(args.max_sessions)] if args.max_sessions else []
+            options = launcher.StackOptions.for_pair(PAIRS[args.pair], port=0, threads=args.threads,
+                                                     coordinator_args=tuple(extra))
+            launcher.pull_models([options.draft_model, options.target_model])
+            stack = launcher.Stack(options)
+            children = stack.children
+            address = stack.launch().address
+        print(f"specdec load: warming up against {address}", flush=True)
+        warmup = max(args.levels) if args.warmup < 0 else args.warmup
+        if warmup:
+            run_level(address, max(args.levels), warmup, args, tls, token)
+        rss = {"before": rss_mib(children)} if children else {}
+        levels = []
+        for clients in args.levels:
+            for system in args.system_list:
+                level = run_level(address, clients, level_requests(args, clients), args, tls, token, system)
+                levels.append(level)
+                print(f"specdec load: {system}, {clients} clients: {level.ok} ok, {level.refused} refused, "
+                      f"{sum(level.errors.values())} errors, p50 {level.latency_p50_s:.3f} s, "
+                      f"p99 {level.latency_p99_s:.3f} s, {level.tokens_per_s:.1f} tok/s", flush=True)
+        if children:
+            rss["after"] = rss_mib(children)
+            dead = [c.name for c in children if c.process.poll() is not None]
+        else:
+            dead = []
+    except launcher.LaunchError as exc:
+        print(f"specdec load: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if stack is not None:
+            stack.stop()
+    print()
+    compare_greedy(levels)
+    print_table(levels, rss)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"address": args.address, "pair": None if args.address else args.pair,
+              "max_new_tokens": args.max_new_tokens, "fixed_length": not args.stop_at_eos,
+              "levels": [{**asdict(lv), "acceptance": lv.acceptance} for lv in levels], "rss_mib": rss,
+              "systems": args.system_list,
+              "exited_early": dead}
+    (args.out / "load.json").write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {args.out / 'load.json'}")
+    failed = sum(sum(lv.errors.values()) for lv in levels) or dead
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
