@@ -6,7 +6,7 @@ import logging
 import sys
 
 from specdec.rpc import telemetry
-from specdec.service.cli_common import add_lifecycle_args, add_tls_server_args, server_tls, setup_logging, start_health
+from specdec.rpc.flags import add_lifecycle_args, add_tls_server_args, server_tls, setup_logging, start_health
 from specdec.rpc.errors import SpecdecError
 from specdec.rpc.security import ClientTls, load_token
 from specdec.rpc.serving import MAX_PUBLIC_MESSAGE_BYTES

@@ -134,7 +134,7 @@ class Backends:
         for client in filter(None, (self.verifier, self.drafter)):
             wait_until_serving(client.address, connect_timeout_s, tls=tls)
         self.target_info = self.verifier.info()
-        self.tokenizer = load_tokenizer_files(self.verifier.tokenizer_files())
+        self.tokenizer = load_tokenizer_files(self.verifier.tokenizer_files(), self.target_info.tokenizer_fingerprint)
         if tokenizer_fingerprint(self.tokenizer) != self.target_info.tokenizer_fingerprint:
             raise FailedPrecondition("the verifier's tokenizer changed in transfer: fingerprints differ")
         self.draft_info = self.drafter.info() if self.drafter else None
@@ -149,7 +149,7 @@ class Backends:
     def check_tokenizers(self) -> None:
         if self.draft_info.tokenizer_fingerprint == self.target_info.tokenizer_fingerprint:
             return
-        draft_tokenizer = load_tokenizer_files(self.drafter.tokenizer_files())
+        draft_tokenizer = load_tokenizer_files(self.drafter.tokenizer_files(), self.draft_info.tokenizer_fingerprint)
         difference = first_difference(describe(draft_tokenizer), describe(self.tokenizer)) or (
             "fingerprints differ but no field does (different tokenizer library versions?)")
         raise TokenizerMismatch(

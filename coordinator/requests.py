@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.rpc.errors import InvalidArgument
-from specdec.service.model_service import validate_token_ids
+from specdec.spec.limits import validate_token_ids
 from specdec.v1 import coordinator_pb2
 from specdec.spec.wire import sampling_from_proto
 

@@ -16,7 +16,7 @@ from opentelemetry.trace import SpanKind
 from specdec.rpc import telemetry
 from specdec.rpc.errors import FailedPrecondition, ResourceExhausted, Unavailable, unavailable_message
 from specdec.spec.hybrid import HybridProposer
-from specdec.service.model_service import MAX_PROPOSE_TOKENS
+from specdec.spec.limits import MAX_PROPOSE_TOKENS
 from specdec.spec.ngram import RecentOutputs
 from specdec.spec.proposer import Proposer, ProposerUnavailable
 from specdec.spec.wire import Truncation

@@ -10,8 +10,10 @@ from specdec.runtime.kv_cache import SequenceCache, Steps, drive
 from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.models import LoadedModel
 from specdec.spec.proposer import Commit
-from specdec.spec.sampling import SamplingConfig, make_generator, sample_from, scores_to_probs, transform_logits
-from specdec.spec.wire import DraftProbs, Truncation, dense_for_wire, round_probs_for_wire, sparse_probs, truncate_for_wire
+from specdec.spec.sampling import SamplingConfig
+from specdec.spec.transform import make_generator, sample_from, scores_to_probs, transform_logits
+from specdec.spec.wire import DraftProbs, Truncation
+from specdec.spec.draft_probs import dense_for_wire, round_probs_for_wire, sparse_probs, truncate_for_wire
 
 
 class Draft(NamedTuple):

@@ -4,7 +4,8 @@ from __future__ import annotations
 import logging
 
 from specdec.rpc.errors import InvalidArgument
-from specdec.service.model_service import MAX_PROPOSE_TOKENS, ModelServiceBase, serve_model, validate_token_ids
+from specdec.service.model_service import ModelServiceBase, serve_model
+from specdec.spec.limits import MAX_PROPOSE_TOKENS, validate_token_ids
 from specdec.runtime.models import LoadedModel
 from specdec.spec.proposer import Commit
 from specdec.rpc.serving import RunningServer

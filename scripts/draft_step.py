@@ -21,10 +21,11 @@ from drafter.service import serve
 from specdec.runtime import torch_thread
 from specdec.runtime.kv_cache import SequenceCache
 from specdec.runtime.models import load_model
-from specdec.spec.sampling import SamplingConfig, sample_from, scores_to_probs, transform_logits
+from specdec.spec.sampling import SamplingConfig
+from specdec.spec.transform import sample_from, scores_to_probs, transform_logits
 from specdec.rpc.serving import channel
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specdec.spec.wire import encode_probs, round_probs_for_wire
+from specdec.spec.draft_probs import encode_probs, round_probs_for_wire
 
 
 def _ms(fn, repeats: int) -> float:

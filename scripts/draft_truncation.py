@@ -31,9 +31,11 @@ from specdec.runtime.kv_cache import SequenceCache, drive
 from specdec.runtime.models import load_model
 from specdec.weights.pairs import PAIRS
 from specdec.spec.proposer import Commit
-from specdec.spec.sampling import SamplingConfig, scores_to_probs, transform_logits
+from specdec.spec.sampling import SamplingConfig
+from specdec.spec.transform import scores_to_probs, transform_logits
 from specdec_tools.bench import DEFAULT_QUESTIONS, chat_ids, load_questions
-from specdec.spec.wire import Truncation, dense_for_wire, draft_probs_tensor, draft_probs_to_proto, truncate_for_wire
+from specdec.spec.wire import Truncation, draft_probs_to_proto
+from specdec.spec.draft_probs import dense_for_wire, draft_probs_tensor, truncate_for_wire
 
 TRUNCATIONS = {"dense": Truncation(), **{f"top-k {k}": Truncation(top_k=k) for k in (4, 8, 16, 32, 64, 128, 256)},
                **{f"top-p {p}": Truncation(top_p=p) for p in (0.9, 0.95, 0.99)},

@@ -16,7 +16,7 @@ import drafter.service
 import verifier.service
 from coordinator.backends import Backends
 from coordinator.service import CoordinatorConfig, serve as serve_coordinator
-from specdec.service.model_service import CostCurve
+from specdec.runtime.cost_curve import CostCurve
 from specdec.runtime.models import LoadedModel, load_model
 from specdec.rpc.serving import RunningServer, channel
 from specdec.v1 import coordinator_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc

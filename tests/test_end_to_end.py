@@ -11,7 +11,8 @@ from scipy import stats
 import drafter.service
 import verifier.service
 from specdec.runtime.models import load_model
-from specdec.spec.sampling import SamplingConfig, scores_to_probs, transform_logits
+from specdec.spec.sampling import SamplingConfig
+from specdec.spec.transform import scores_to_probs, transform_logits
 from specdec.v1 import common_pb2, coordinator_pb2 as pb, drafter_pb2, verifier_pb2
 from specdec.spec.wire import sampling_to_proto
 from tests.conftest import wait_for, pinned_services, coordinator_stub, model_draft_tokens

@@ -79,3 +79,28 @@ def test_the_client_side_of_the_cli_starts_without_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.stdout.split() == ["1", "False", "False"], result.stderr
     assert "UNAVAILABLE" in result.stderr
+
+
+def test_the_coordinators_process_runs_requests_without_torch(stack):
+    """The coordinator runs no model: its process (and image layer) needs no torch,
+    through start-up, the tokenizer check, and greedy, sampled and chat requests."""
+    code = f"""
+import sys
+from coordinator.service import CoordinatorConfig, serve
+from specdec.rpc.serving import channel
+from specdec.v1 import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc
+running, backends = serve(CoordinatorConfig(drafter="{stack.address(stack.drafter)}",
+                                            verifier="{stack.address(stack.verifier)}", connect_timeout_s=30))
+with channel(f"127.0.0.1:{{running.port}}") as ch:
+    stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+    for request in (pb.GenerateRequest(prompt="Once upon a time", max_new_tokens=8, speculation=pb.Speculation(gamma=3)),
+                    pb.GenerateRequest(messages=chat, max_new_tokens=8,
+                                       sampling=common_pb2.SamplingParams(temperature=0.7, seed=1))):
+        assert len(stub.Generate(request, timeout=60).token_ids) > 0
+backends.close()
+running.stop(0)
+print("torch" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.stdout.split() == ["False"], result.stderr[-3000:]

@@ -154,7 +154,7 @@ def test_malformed_request_bytes_get_invalid_argument(stack, server, method, str
 
 def test_a_model_service_publishes_its_cost_curve_in_info(tiny_target, monkeypatch):
     import verifier.service
-    from specdec.service.model_service import COST_CURVE_ENV
+    from specdec.runtime.cost_curve import COST_CURVE_ENV
     from specdec.v1 import verifier_pb2_grpc
     for variable in COST_CURVE_ENV.values():  # measured here, whatever the run pins
         monkeypatch.delenv(variable, raising=False)
@@ -170,7 +170,7 @@ def test_a_model_service_publishes_its_cost_curve_in_info(tiny_target, monkeypat
 
 def test_a_pinned_cost_curve_is_published_instead_of_a_measured_one(tiny_target, monkeypatch):
     import verifier.service
-    from specdec.service.model_service import CostCurve
+    from specdec.runtime.cost_curve import CostCurve
     from specdec.v1 import verifier_pb2_grpc
     monkeypatch.setenv("SPECDEC_VERIFIER_COST_CURVE", "20, 21.5,23:2.5")
     assert CostCurve.parse("7,8") == CostCurve([7.0, 8.0], 7.0)

@@ -7,9 +7,10 @@ import torch
 from scipy import stats
 
 from specdec.spec.rejection import greedy_accept, rejection_sample
-from specdec.spec.sampling import SamplingConfig, sample_from, scores_to_probs, transform_logits
-from specdec.spec.wire import ONE_HOT, DraftProbs, Truncation, dense_for_wire, draft_probs_tensor, sparse_probs, \
-    truncate_for_wire
+from specdec.spec.sampling import SamplingConfig
+from specdec.spec.transform import sample_from, scores_to_probs, transform_logits
+from specdec.spec.wire import ONE_HOT, DraftProbs, Truncation
+from specdec.spec.draft_probs import dense_for_wire, draft_probs_tensor, sparse_probs, truncate_for_wire
 
 V = 8
 N = 10_000

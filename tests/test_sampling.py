@@ -8,8 +8,10 @@ import torch
 from scipy import stats
 
 from specdec.rpc.errors import InvalidArgument
-from specdec.spec.sampling import SamplingConfig, make_generator, sample_from, scores_to_probs, transform_logits
-from specdec.spec.wire import decode_probs, encode_probs, round_probs_for_wire, sampling_from_proto, sampling_to_proto
+from specdec.spec.sampling import SamplingConfig
+from specdec.spec.transform import make_generator, sample_from, scores_to_probs, transform_logits
+from specdec.spec.wire import sampling_from_proto, sampling_to_proto
+from specdec.spec.draft_probs import decode_probs, encode_probs, round_probs_for_wire
 from specdec.v1 import common_pb2
 
 

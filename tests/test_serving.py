@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import drafter.service
 from specdec.rpc.serving import channel, serve_health
 from specdec.v1 import common_pb2, drafter_pb2_grpc
-from specdec.service.cli_common import add_lifecycle_args, start_health
+from specdec.rpc.flags import add_lifecycle_args, start_health
 from tests.conftest import free_port, rpc_error
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 import logging
 
 from specdec.rpc.errors import InvalidArgument
-from specdec.service.model_service import MAX_PROPOSE_TOKENS, ModelServiceBase, serve_model, validate_token_ids
+from specdec.service.model_service import ModelServiceBase, serve_model
+from specdec.spec.limits import MAX_PROPOSE_TOKENS, validate_token_ids
 from specdec.runtime.models import LoadedModel
 from specdec.rpc.serving import RunningServer
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
-from specdec.spec.wire import draft_probs_from_proto, draft_probs_tensor, sampling_from_proto
+from specdec.spec.wire import draft_probs_from_proto, sampling_from_proto
+from specdec.spec.draft_probs import draft_probs_tensor
 
 from verifier.target_session import TargetSession
 

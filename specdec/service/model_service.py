@@ -3,17 +3,17 @@ session lifecycle around a store with a TTL. Each service adds its own calls."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, Generic, Iterator, Protocol, Sequence, TypeVar
+from typing import Callable, Generic, Iterator, Protocol, TypeVar
 
 import psutil
 
 from specdec.runtime import torch_thread
 from specdec.runtime.batching import CallStats, RowCost, Scheduler, lean_batch_forward
 from specdec.rpc.errors import InvalidArgument
+from specdec.runtime.cost_curve import CostCurve, pinned_curve
+from specdec.spec.limits import MAX_PROPOSE_TOKENS, validate_token_ids
 from specdec.runtime.kv_cache import PREFILL_CHUNK, SequenceCache, Steps
 from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.models import LoadedModel
@@ -34,15 +34,8 @@ class Transactional(Protocol):
 
 S = TypeVar("S", bound=Transactional)
 T = TypeVar("T")
-MAX_PROPOSE_TOKENS = 32
 MAX_BATCH_ROWS = 512
 KV_SHARE_OF_AVAILABLE = 0.4  # --kv-cache-mb 0: this share of the memory available at start
-
-
-def validate_token_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
-    bad = next((t for t in ids if t >= vocab_size), None)
-    if bad is not None:
-        raise InvalidArgument(f"{what} contains token id {bad}, outside the vocabulary (0..{vocab_size - 1})")
 
 
 class ModelServiceBase(Generic[S]):
@@ -169,37 +162,6 @@ def warm_up(loaded: LoadedModel) -> None:
 
 
 CURVE_PREFIX = 128  # tokens cached before each timed forward: a short prompt's worth
-
-
-@dataclass(frozen=True)
-class CostCurve:
-    forward_ms: list[float]        # [rows] one forward over 1..rows new rows after the prefix
-    prefill_ms_per_token: float    # the prefix's prefill, per token
-
-    @classmethod
-    def parse(cls, text: str) -> "CostCurve":
-        """'MS,MS,...[:PREFILL_MS]': ms of one forward over 1, 2, ... rows, and
-        optionally the prefill's ms per prompt token (default: the 1-row ms)."""
-        curve, _, prefill = text.strip().partition(":")
-        try:
-            forward = [float(v) for v in curve.split(",") if v.strip()]
-            per_token = float(prefill) if prefill.strip() else (forward[0] if forward else 0.0)
-        except ValueError:
-            forward, per_token = [], -1.0
-        if not forward or per_token < 0 or any(not ms > 0 for ms in forward):
-            raise ValueError(f"a cost curve is 'MS,MS,...[:PREFILL_MS]' with positive ms, got {text!r}")
-        return cls(forward, per_token)
-
-
-# A pinned curve for each service, read where no --cost-curve is given: set for a
-# whole test run (or a fleet's start), it reaches every service, in-process or not.
-COST_CURVE_ENV = {"Drafter": "SPECDEC_DRAFTER_COST_CURVE", "Verifier": "SPECDEC_VERIFIER_COST_CURVE"}
-
-
-def pinned_curve(service_name: str) -> CostCurve | None:
-    """The curve the environment pins for this service (its COST_CURVE_ENV variable), if any."""
-    value = os.environ.get(COST_CURVE_ENV.get(service_name.rsplit(".", 1)[-1], ""), "")
-    return CostCurve.parse(value) if value.strip() else None
 
 
 def measure_cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> CostCurve:

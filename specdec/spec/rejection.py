@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.spec.sampling import sample_from
+from specdec.spec.transform import sample_from
 
 
 @dataclass(frozen=True)

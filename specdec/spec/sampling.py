@@ -1,27 +1,17 @@
-"""The one sampling config and the one transform both sides apply.
+"""The one sampling config, validated, and the seeds it derives: no torch, so the
+coordinator can hold it.
 
 The proposer and the scorer must turn logits into probabilities identically
 (same temperature, top-k, top-p and repetition penalty over the same history),
 or the rejection sampler's output is no longer the target's distribution. So
-there is exactly one transform, `transform_logits`, built from transformers'
-own logits processors, and both services call it.
+there is exactly one transform of this config (specdec.spec.transform), and
+both model services apply it.
 """
 from __future__ import annotations
 
 import hashlib
 import math
-import secrets
 from dataclasses import dataclass
-from typing import Sequence
-
-import torch
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from specdec.rpc.errors import InvalidArgument
 
@@ -75,82 +65,3 @@ def generator_seed(seed: int, role: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def make_generator(config: SamplingConfig, role: str, device: torch.device | str = "cpu") -> torch.Generator:
-    seed = config.seed if config.seed is not None else secrets.randbits(64)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(generator_seed(seed, role))
-    return generator
-
-
-def _warpers(config: SamplingConfig) -> LogitsProcessorList:
-    # Same order as transformers' generate(): the penalty first, then these.
-    steps = LogitsProcessorList()
-    if not config.greedy:
-        if config.temperature != 1.0:
-            steps.append(TemperatureLogitsWarper(config.temperature))
-        if config.top_k > 0:
-            steps.append(TopKLogitsWarper(config.top_k))
-        if config.top_p < 1.0:
-            steps.append(TopPLogitsWarper(config.top_p))
-    return steps
-
-
-def transform_logits(
-    logits: torch.Tensor,             # [N, model_vocab] raw logits, row i scores position i
-    history: Sequence[int],           # token ids before row 0 (prompt + generated)
-    row_tokens: Sequence[int],        # [N-1 or N] token at each row (row i+1 sees row_tokens[:i+1])
-    config: SamplingConfig,
-    vocab_size: int,                  # tokenizer vocabulary; padded ids beyond it are masked
-) -> torch.Tensor:                    # [N, vocab_size] float32 scores (-inf where removed)
-    n = logits.shape[0]
-    assert logits.dim() == 2 and len(row_tokens) >= n - 1, (logits.shape, len(row_tokens))
-    scores = logits[:, :vocab_size].float()
-    penalty = config.repetition_penalty != 1.0
-    warpers = _warpers(config)
-    if not penalty and not warpers:
-        return scores
-    # Stable for every temperature and penalty validate() takes: in float64 a
-    # logit divided by a penalty down to 2^-126 stays finite, and with each row's
-    # maximum subtracted before the temperature divides, a temperature down to
-    # 2^-126 gives the greedy limit (0 at the maximum, -inf or far below it
-    # elsewhere) instead of inf - inf = NaN.
-    scores = scores.double()
-    if penalty:
-        apply = RepetitionPenaltyLogitsProcessor(config.repetition_penalty)
-        prefix = list(history)
-        for i in range(n):
-            ids = torch.tensor([prefix], dtype=torch.long, device=scores.device)
-            scores[i : i + 1] = apply(ids, scores[i : i + 1].clone())
-            if i < len(row_tokens):
-                prefix.append(int(row_tokens[i]))
-    if warpers:
-        scores = scores - scores.amax(dim=-1, keepdim=True)
-        empty = torch.empty((n, 0), dtype=torch.long, device=scores.device)  # the warpers read no history
-        scores = warpers(empty, scores)
-    return scores.float()
-
-
-def scores_to_probs(scores: torch.Tensor) -> torch.Tensor:
-    """[N, V] transformed scores -> [N, V] float32 probabilities."""
-    return torch.softmax(scores, dim=-1)
-
-
-def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One id drawn from `probs` [V] (non-negative, positive total, not necessarily
-    normalized): inverse transform sampling on a float64 running sum, one uniform.
-
-    torch.multinomial took 2.4 ms a draw over Qwen's 151,936 ids here, an eighth of
-    a draft step; this takes a tenth of that. float64 keeps every id's share of the
-    running sum exact to ~1e-16, far below the fp16 rounding the proposal carries."""
-    assert probs.dim() == 1, probs.shape
-    cumulative = probs.double().cumsum(0)                                       # [V]
-    # The uniform is drawn where the generator lives (a CUDA generator draws only
-    # on its device), whatever device `probs` is on (a sparse entry's: the CPU).
-    uniform = torch.rand((), generator=generator, device=generator.device, dtype=torch.float64)
-    point = uniform.to(cumulative.device) * cumulative[-1]
-    # The first id whose running sum exceeds the point: ids of zero probability add
-    # nothing to the sum, so they are never drawn.
-    index = int(torch.searchsorted(cumulative, point, right=True))
-    if index >= probs.shape[0]:  # point == total: only reachable by rounding
-        index = int(probs.nonzero()[-1])
-    return index

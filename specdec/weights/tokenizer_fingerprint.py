@@ -15,7 +15,8 @@ import pathlib
 import tempfile
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+import transformers
+from transformers import PreTrainedTokenizerBase
 
 
 def describe(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
@@ -98,10 +99,24 @@ def tokenizer_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, bytes]:
         return {p.name: p.read_bytes() for p in pathlib.Path(tmp).iterdir() if p.is_file()}
 
 
-def load_tokenizer_files(files: dict[str, bytes]) -> PreTrainedTokenizerBase:
+def load_tokenizer_files(files: dict[str, bytes], expected_fingerprint: str | None = None) -> PreTrainedTokenizerBase:
+    """A tokenizer from its saved files, as the class they name (tokenizer_config.json):
+    transformers' AutoTokenizer would import torch, which the coordinator's process
+    does without. Where that class's fingerprint is not `expected_fingerprint`,
+    AutoTokenizer decides after all."""
     with tempfile.TemporaryDirectory() as tmp:
         for name, data in files.items():
             if "/" in name or name.startswith("."):
                 raise ValueError(f"unsafe tokenizer file name {name!r}")
             (pathlib.Path(tmp) / name).write_bytes(data)
+        try:
+            named = json.loads(files.get("tokenizer_config.json", b"{}")).get("tokenizer_class") or ""
+        except ValueError:
+            named = ""
+        cls = getattr(transformers, named, None) if named.isidentifier() else None
+        if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase):
+            tokenizer = cls.from_pretrained(tmp)
+            if expected_fingerprint is None or tokenizer_fingerprint(tokenizer) == expected_fingerprint:
+                return tokenizer
+        from transformers import AutoTokenizer  # imports torch
         return AutoTokenizer.from_pretrained(tmp)

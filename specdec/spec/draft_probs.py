@@ -1,0 +1,142 @@
+"""Draft distributions as tensors: the fp16 rounding both sides agree on, the
+drafter's truncated or dense form, and the verifier's [gamma, V] rebuild,
+validated. torch, on the model services only (see specdec.spec.wire)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from specdec.rpc.errors import InvalidArgument
+from specdec.spec.wire import DraftProbs, Truncation
+
+
+def round_probs_for_wire(probs: torch.Tensor) -> torch.Tensor:
+    """The distribution actually sent: fp16-rounded, renormalized in float32.
+
+    The drafter samples from exactly this tensor and the verifier rebuilds exactly
+    this tensor from the bytes, so the rejection sampler sees the true proposal
+    distribution despite the compact fp16 encoding.
+    """
+    rounded = probs.to(torch.float16).float()
+    return rounded / rounded.sum(dim=-1, keepdim=True)
+
+
+def encode_probs(probs: torch.Tensor) -> bytes:
+    """[n, V] float probs -> little-endian fp16 bytes."""
+    return probs.detach().to("cpu", torch.float16).numpy().astype("<f2", copy=False).tobytes()
+
+
+def decode_probs(data: bytes, n: int, vocab_size: int, where: str = "draft_probs_fp16") -> torch.Tensor:
+    """fp16 bytes -> [n, V] float32, validated, renormalized as the drafter did."""
+    expected = n * vocab_size * 2
+    if len(data) != expected:
+        raise InvalidArgument(
+            f"{where} has {len(data)} bytes; expected {expected} for "
+            f"{n} draft tokens x vocab {vocab_size} x 2 bytes")
+    array = np.frombuffer(data, dtype="<f2").reshape(n, vocab_size)
+    probs = torch.from_numpy(array.astype(np.float32))
+    if not torch.isfinite(probs).all():
+        raise InvalidArgument(f"{where} contains NaN or infinity")
+    if (probs < 0).any():
+        raise InvalidArgument(f"{where} contains negative probabilities")
+    sums = probs.sum(dim=-1, keepdim=True, dtype=torch.float64)
+    off = (sums - 1.0).abs()
+    tolerance = fp16_sum_tolerance(vocab_size)
+    if (off > tolerance).any():
+        row = int(off.argmax())
+        raise InvalidArgument(
+            f"{where} row {row} sums to {float(sums[row]):.6g}; each row must be a probability "
+            f"distribution summing to 1 (within {tolerance:.2g}, what fp16 rounding allows)")
+    return (probs / sums).float()
+
+
+def fp16_sum_tolerance(vocab_size: int) -> float:
+    """How far from 1 an fp16-rounded distribution may sum: every entry rounds by at
+    most half an ulp, relatively 2^-11 for normal values (2^-11 of the sum, in all)
+    and absolutely 2^-25 below fp16's smallest normal (each of the vocab_size
+    entries). Doubled for the float32 renormalization before rounding."""
+    return 2 * (2.0 ** -11 + vocab_size * 2.0 ** -25)
+
+
+def truncate_for_wire(probs: torch.Tensor, truncation: Truncation) -> DraftProbs:
+    """[V] float probabilities -> the sparse proposal the drafter samples from and sends."""
+    assert probs.dim() == 1, probs.shape
+    probs = probs.float()
+    k = truncation.top_k or probs.shape[0]
+    values, ids = probs.topk(min(k, probs.shape[0]))  # descending
+    if truncation.top_p < 1.0:
+        # The fewest top tokens holding top_p of the whole mass (at least one; at most top_k).
+        keep = int((values.cumsum(0) < truncation.top_p * probs.sum()).sum()) + 1
+        values, ids = values[:keep], ids[:keep]
+    rounded = (values / values.sum()).to(torch.float16)  # the support renormalized, then rounded
+    kept = rounded > 0  # a probability fp16 rounds to 0 could never be drawn: leave it out
+    return DraftProbs(tuple(ids[kept].tolist()), encode_probs(rounded[kept]))
+
+
+def _fp16_values(entry: DraftProbs) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(entry.probs_fp16, dtype="<f2").astype(np.float32))
+
+
+def sparse_probs(entry: DraftProbs, values: torch.Tensor | None = None) -> torch.Tensor:
+    """A sparse entry's probabilities [m] in float32, renormalized: what the
+    drafter samples from and the verifier scores with, computed identically
+    (`values`: the entry's, already decoded)."""
+    values = _fp16_values(entry) if values is None else values
+    return values / values.sum()
+
+
+def dense_for_wire(probs: torch.Tensor) -> DraftProbs:
+    """[V] -> the untruncated proposal (2 bytes per vocabulary entry)."""
+    return DraftProbs((), encode_probs(probs))
+
+
+def draft_probs_tensor(entries: Sequence[DraftProbs], draft_token_ids: Sequence[int],
+                       vocab_size: int) -> torch.Tensor:
+    """The verifier's [gamma, V] float32 draft_probs from one entry per drafted
+    token, validated: each must be a distribution that gives its token a chance."""
+    if len(entries) != len(draft_token_ids):
+        raise InvalidArgument(f"draft_probs has {len(entries)} entries for {len(draft_token_ids)} draft tokens; "
+                              "send one per drafted token (an empty entry is a one-hot proposal)")
+    out = torch.zeros(len(entries), vocab_size)
+    for i, (entry, token) in enumerate(zip(entries, draft_token_ids)):
+        where = f"draft_probs[{i}]"
+        if entry.one_hot:
+            out[i, token] = 1.0
+            continue
+        if not entry.token_ids:
+            out[i] = decode_probs(entry.probs_fp16, 1, vocab_size, where)[0]
+        else:
+            out[i, _support(entry, vocab_size, where)] = _sparse_values(entry, where)
+        if out[i, token] <= 0:
+            raise InvalidArgument(f"{where} gives its drafted token {token} probability 0; each token must be "
+                                  "sampled from the distribution sent with it")
+    return out
+
+
+def _support(entry: DraftProbs, vocab_size: int, where: str) -> torch.Tensor:
+    ids = torch.tensor(entry.token_ids, dtype=torch.long)
+    if int(ids.max()) >= vocab_size:
+        raise InvalidArgument(f"{where}.token_ids has id {int(ids.max())}, outside the vocabulary ({vocab_size})")
+    if ids.unique().numel() != ids.numel():
+        raise InvalidArgument(f"{where}.token_ids repeats an id; each support token must appear once")
+    return ids
+
+
+def _sparse_values(entry: DraftProbs, where: str) -> torch.Tensor:
+    m = len(entry.token_ids)
+    if len(entry.probs_fp16) != 2 * m:
+        raise InvalidArgument(f"{where}.probs_fp16 has {len(entry.probs_fp16)} bytes; expected {2 * m} "
+                              f"for {m} support tokens x 2 bytes")
+    values = _fp16_values(entry)
+    if not torch.isfinite(values).all() or (values < 0).any() or float(values.sum()) <= 0:
+        raise InvalidArgument(f"{where}.probs_fp16 must be finite, non-negative probabilities with a positive sum")
+    total = float(values.double().sum())
+    tolerance = fp16_sum_tolerance(m)
+    # A truncated distribution's kept mass is below 1 before renormalizing; the
+    # drafter sends it renormalized only by fp16 rounding, so it sums to ~1 too.
+    if abs(total - 1.0) > max(tolerance, 1e-3):
+        raise InvalidArgument(f"{where}.probs_fp16 sums to {total:.6g}; a sparse distribution must sum to 1 "
+                              "(renormalize the truncated support before encoding)")
+    return sparse_probs(entry, values)
