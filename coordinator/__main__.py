@@ -14,7 +14,7 @@ from specdec.rpc.serving import catch_stop_signals, run_until_signal
 
 from specdec.spec.wire import Truncation
 
-from coordinator.service import DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P, HYBRID, PROPOSERS, CoordinatorConfig, serve
+from coordinator.service import DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P, KIND_HYBRID, PROPOSERS, CoordinatorConfig, serve
 
 
 def parse_gamma(value: str) -> int | None:
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verifier", required=True, help="verifier address: HOST:PORT, or unix:PATH (sidecar mode)")
     parser.add_argument("--drafter", help="drafter address: HOST:PORT or unix:PATH (omit for target-only or n-gram "
                         "serving)")
-    parser.add_argument("--proposer", default=HYBRID, choices=PROPOSERS,
+    parser.add_argument("--proposer", default=KIND_HYBRID, choices=PROPOSERS,
                         help="who drafts unless a request says: hybrid (n-gram lookups in the prompt, the output and "
                         "recent outputs, free, then the drafter where they find nothing or beyond them), model (the "
                         "drafter alone) or ngram (the lookups alone, no drafter)")

@@ -42,7 +42,9 @@ DRAFTER_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEA
                                 grpc.StatusCode.FAILED_PRECONDITION})
 
 
-HYBRID, MODEL, NGRAM = PROPOSERS = ("hybrid", "model", "ngram")
+# Proposer kinds (who drafts), as a request or --proposer names them; the draft
+# sources a round's tokens come from are specdec.spec.proposer's MODEL and NGRAM.
+KIND_HYBRID, KIND_MODEL, KIND_NGRAM = PROPOSERS = ("hybrid", "model", "ngram")
 DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P = 256, 0.99
 
 
@@ -104,7 +106,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.backends = backends
         self.config = config
         target, draft = backends.target_info, backends.draft_info
-        max_propose = draft.max_propose_tokens if draft else 0 if config.proposer == MODEL else MAX_PROPOSE_TOKENS
+        max_propose = draft.max_propose_tokens if draft else 0 if config.proposer == KIND_MODEL else MAX_PROPOSE_TOKENS
         self.limits = Limits(
             vocab_size=target.vocab_size, max_context=target.max_context,
             default_max_new_tokens=config.max_new_tokens, default_gamma=config.gamma or None,
@@ -147,10 +149,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         seeded = domain.sampling.seed is not None and not domain.sampling.greedy
         recent = None if seeded else self.recent_outputs(caller)
         lookups = HybridProposer(None, recent)
-        if kind == NGRAM:
+        if kind == KIND_NGRAM:
             return lookups, ""
         if self.backends.drafter is None:
-            if kind == MODEL:
+            if kind == KIND_MODEL:
                 raise FailedPrecondition("this coordinator runs without a drafter (--proposer ngram); ask for "
                                          "the n-gram or hybrid proposer, or leave it unset")
             return lookups, ""
@@ -158,14 +160,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             # Go on without the model until the watcher finds the drafter again.
             self.metrics.fallbacks.inc()
             why = "the drafter was down when this request started; "
-            return (None, why + "it went target-only (same output, slower)") if kind == MODEL else \
+            return (None, why + "it went target-only (same output, slower)") if kind == KIND_MODEL else \
                 (lookups, why + "it drafted with n-gram lookups alone (same output)")
         ttl = self.backends.draft_info.session_ttl_s if self.backends.draft_info else 0.0
         model = RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint, timeout,
                                     self.config.drafter_timeout_s, self.config.draft_truncation,
                                     keep_alive_s=ttl / 4 if ttl > 0 else DEFAULT_KEEP_ALIVE_S,
                                     is_up=lambda: self.backends.drafter_up)
-        return (model if kind == MODEL else HybridProposer(model, recent)), ""
+        return (model if kind == KIND_MODEL else HybridProposer(model, recent)), ""
 
     def _proposer_failed(self, exc: ProposerUnavailable) -> None:
         # Stop using it until the watcher has checked it again.
@@ -259,7 +261,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
 def serve(config: CoordinatorConfig, host: str = "127.0.0.1", port: int = 0) -> tuple[RunningServer, Backends]:
     """Connect and check the backends (raises TokenizerMismatch), then serve."""
-    backends = Backends(config.verifier, config.drafter if config.proposer != NGRAM else None,
+    backends = Backends(config.verifier, config.drafter if config.proposer != KIND_NGRAM else None,
                         config.connect_timeout_s, config.backend_tls, config.watch, config.backend_auth_token)
     servicer = CoordinatorServicer(backends, config)
     running = start_server(lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),

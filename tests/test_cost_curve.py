@@ -1,0 +1,44 @@
+"""specdec.runtime.cost_curve: a published curve, parsed or pinned, and read as
+the cost of one forward over any number of rows."""
+from __future__ import annotations
+
+import pytest
+
+from specdec.runtime.cost_curve import COST_CURVE_ENV, CostCurve, RowCost, pinned_curve
+
+
+def test_between_measured_rows_the_cost_is_interpolated():
+    cost = RowCost([10.0, 12.0, 14.0, 16.0])
+    assert cost(1) == 10.0 and cost(4) == 16.0
+    assert cost(2.5) == pytest.approx(13.0)
+    assert cost(0) == 10.0  # never below one row
+
+
+def test_past_the_curve_a_row_costs_the_upper_halfs_slope_but_never_more_than_its_best_per_row():
+    # An int4-like curve: 4 rows a kernel pass, the 5th row as dear as a new pass.
+    int4 = RowCost([36.0, 40.0, 45.0, 49.0, 91.0])
+    assert int4.slope == pytest.approx((91.0 - 40.0) / 3)
+    assert int4(8) == pytest.approx(min(91.0 + 3 * int4.slope, 8 * int4.best_per_row))
+    assert int4(64) <= 64 * (49.0 / 4) * 1.0001  # per row, no dearer than the best the upper half measured
+    flat = RowCost([20.0, 20.5, 21.0])
+    assert flat(10) == pytest.approx(21.0 + 7 * flat.slope)
+
+
+def test_no_curve_counts_rows():
+    assert RowCost([])(7) == 7.0
+
+
+def test_a_curve_parses_from_its_flag_and_refuses_what_is_not_one():
+    assert CostCurve.parse(" 20, 21.5,23 :2.5") == CostCurve([20.0, 21.5, 23.0], 2.5)
+    assert CostCurve.parse("7") == CostCurve([7.0], 7.0)  # the prefill defaults to the 1-row forward
+    for bad in ("", ":3", "x,1", "1,0", "1,-2", "3:x", "3:-1"):
+        with pytest.raises(ValueError, match="MS,MS"):
+            CostCurve.parse(bad)
+
+
+def test_the_environment_pins_each_services_curve(monkeypatch):
+    monkeypatch.setenv(COST_CURVE_ENV["Drafter"], "5,6:0.5")
+    monkeypatch.delenv(COST_CURVE_ENV["Verifier"], raising=False)
+    assert pinned_curve("specdec.v1.Drafter") == CostCurve([5.0, 6.0], 0.5)
+    assert pinned_curve("specdec.v1.Verifier") is None
+    assert pinned_curve("specdec.v1.Coordinator") is None
