@@ -6,6 +6,10 @@ import pathlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from google.protobuf import json_format
+
+from specdec.v1 import coordinator_pb2
+
 
 DEFAULT_QUESTIONS = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / \
     "questions_dev.jsonl"
@@ -41,16 +45,34 @@ class Run:
     new_tokens: int
     seconds: float
     token_ids: list[int] = field(repr=False)
-    rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    prefill_ms: float = 0.0
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    first_token_ms: float = 0.0  # from the call until the first token was decided
-    sources: dict = field(default_factory=dict)  # per draft source: {rounds, draft_tokens, accepted_tokens}
-    draft_bytes: int = 0         # draft data sent to the verifier
-    drafting_rounds: int = 0
+    # The run's GenerationStats (specdec.v1) as JSON, field names as in the proto:
+    # the services' own, or those an in-process system measures (first_token_ms).
+    # A statistic added to the proto reaches runs.jsonl and bench.json as it is.
+    stats: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, system: str, question: Question, temperature: float, token_ids: list[int], seconds: float,
+           stats: coordinator_pb2.GenerationStats) -> "Run":
+        return cls(system, question.question_id, question.category, temperature, len(token_ids), seconds,
+                   list(token_ids), json_format.MessageToDict(stats, preserving_proto_field_name=True))
+
+    def stat(self, name: str) -> float:
+        """A GenerationStats field (0 where unset; 64-bit ones travel in JSON as strings)."""
+        return float(self.stats.get(name, 0))
+
+    @property
+    def first_token_ms(self) -> float:
+        return self.stat("first_token_ms")
+
+    @property
+    def sources(self) -> dict[str, dict]:
+        """Per draft source ("model", "ngram"): its DraftSourceStats."""
+        return {s["source"]: s for s in self.stats.get("draft_sources", [])}
+
+    @property
+    def drafting_rounds(self) -> int:
+        per_round = self.stat("draft_bytes_per_round")
+        return round(self.stat("draft_bytes") / per_round) if per_round else 0
 
     @property
     def tokens_per_second(self) -> float:

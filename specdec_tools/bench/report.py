@@ -34,31 +34,31 @@ def summarize(runs: list[Run], systems: list[str]) -> list[dict]:
         tokens, seconds = sum(r.new_tokens for r in group), sum(r.seconds for r in group)
         row = dict(category=category, temperature=temperature, system=system, runs=len(group), new_tokens=tokens,
                    seconds=round(seconds, 3), tokens_per_second=round(tokens / seconds, 3) if seconds else 0.0)
-        drafted, accepted, rounds = (sum(getattr(r, k) for r in group) for k in (
+        drafted, accepted, rounds = (round(sum(r.stat(k) for r in group)) for k in (
             "draft_tokens", "accepted_tokens", "rounds"))
         firsts = [r.first_token_ms for r in group if r.first_token_ms > 0]
         if firsts:
             row["first_token_ms"] = round(statistics.median(firsts), 1)
         if drafted:
             row["drafted_per_round"] = round(drafted / rounds, 3)
-            prefill_s, draft_s, verify_s = (sum(getattr(r, k) for r in group) / 1e3 for k in (
+            prefill_s, draft_s, verify_s = (sum(r.stat(k) for r in group) / 1e3 for k in (
                 "prefill_ms", "draft_ms", "verify_ms"))
             row.update(acceptance_rate=round(accepted / drafted, 4),
                        mean_accepted_length=round((accepted + rounds) / rounds, 3),
                        prefill_share=round(prefill_s / seconds, 3),
                        draft_share=round(draft_s / seconds, 3), verify_share=round(verify_s / seconds, 3),
                        overhead_share=round(1 - (prefill_s + draft_s + verify_s) / seconds, 3))
-            drafting_rounds, draft_bytes = (sum(getattr(r, k) for r in group) for k in ("drafting_rounds",
-                                                                                         "draft_bytes"))
+            drafting_rounds = sum(r.drafting_rounds for r in group)
+            draft_bytes = sum(r.stat("draft_bytes") for r in group)
             row.update(draft_bytes_per_token=round(draft_bytes / drafted, 1),
                        draft_bytes_per_round=round(draft_bytes / drafting_rounds, 1) if drafting_rounds else 0.0)
             for source in ("ngram", "model"):
                 counts = [r.sources[source] for r in group if source in r.sources]
-                source_drafted = sum(c["draft_tokens"] for c in counts)
+                source_drafted = sum(int(c.get("draft_tokens", 0)) for c in counts)
                 if source_drafted:
                     row[f"{source}_draft_share"] = round(source_drafted / drafted, 3)
-                    row[f"{source}_acceptance"] = round(sum(c["accepted_tokens"] for c in counts) / source_drafted,
-                                                        4)
+                    row[f"{source}_acceptance"] = round(
+                        sum(int(c.get("accepted_tokens", 0)) for c in counts) / source_drafted, 4)
         if temperature == 0 and reference_of(system):
             same = [r.token_ids == reference[key].token_ids for r in group
                     if (key := (reference_of(system), r.question_id, r.temperature)) in reference]

@@ -47,12 +47,7 @@ class ServiceSystems:
         stats = response.stats
         # The services and the in-process baselines must see the same prompt.
         assert stats.prompt_tokens == len(prompt_ids), (stats.prompt_tokens, len(prompt_ids))
-        return Run(system, question.question_id, question.category, temperature, len(response.token_ids), seconds,
-                   list(response.token_ids), stats.rounds, stats.draft_tokens, stats.accepted_tokens,
-                   stats.prefill_ms, stats.draft_ms, stats.verify_ms, stats.first_token_ms,
-                   {d.source: dict(rounds=d.rounds, draft_tokens=d.draft_tokens, accepted_tokens=d.accepted_tokens)
-                    for d in stats.draft_sources}, stats.draft_bytes,
-                   round(stats.draft_bytes / stats.draft_bytes_per_round) if stats.draft_bytes_per_round else 0)
+        return Run.of(system, question, temperature, list(response.token_ids), seconds, stats)
 
     def close(self) -> None:
         self.channel.close()
@@ -82,8 +77,8 @@ class InProcessSystems:
         # Count as the services do: output stops before the first EOS.
         eos = set(self.target.eos_token_ids)
         cut = next((i for i, t in enumerate(new) if t in eos), len(new))
-        return Run(system, question.question_id, question.category, temperature, cut, seconds, new[:cut],
-                   first_token_ms=(first.at - start) * 1e3 if first.at else 0.0)
+        return Run.of(system, question, temperature, new[:cut], seconds, coordinator_pb2.GenerationStats(
+            first_token_ms=(first.at - start) * 1e3 if first.at else 0.0))
 
 
 class _FirstToken(BaseStreamer):
@@ -144,8 +139,8 @@ class LlamaCppSystems:
             if len(out) >= self.max_new_tokens:
                 break
         seconds = time.perf_counter() - start
-        return Run(system, question.question_id, question.category, temperature, len(out), seconds, out,
-                   first_token_ms=first_token_ms)
+        return Run.of(system, question, temperature, out, seconds,
+                      coordinator_pb2.GenerationStats(first_token_ms=first_token_ms))
 
 
 class _LlamaCppDraft:
