@@ -14,7 +14,7 @@ import grpc
 from opentelemetry import trace
 
 from specdec.rpc.errors import TRANSPORT_CODES, RemoteError, public_message
-from specdec.spec.proposer import BatchLoad, Commit, Decoded, Proposal, Proposer, ProposerUnavailable, Verdict
+from specdec.spec.proposer import BatchLoad, Commit, Decoded, Proposal, Proposer, ProposerUnavailable, RejectionOutput
 from specdec.spec.sampling import SamplingConfig
 from specdec.rpc import telemetry
 from specdec.rpc.security import ClientTls
@@ -113,14 +113,14 @@ class VerifierClient(ModelClient):
             session_id=session_id, prompt_token_ids=prompt_ids), timeout)
 
     def verify(self, session_id: str, proposal: Proposal, sampling: SamplingConfig,
-               timeout: float | None = None) -> Verdict:
+               timeout: float | None = None) -> RejectionOutput:
         draft = verifier_pb2.VerifyRequest(draft_token_ids=proposal.token_ids,
                                            draft_probs=draft_probs_to_proto(proposal.draft_probs))
         draft_bytes = draft.ByteSize()  # the draft's share of the request: its ids and probabilities
         draft.session_id = session_id
         draft.sampling.CopyFrom(sampling_to_proto(sampling))
         reply = self.call("Verify", draft, timeout)
-        return Verdict(reply.num_accepted, reply.next_token_id, reply.bonus, BatchLoad.from_proto(reply.batch),
+        return RejectionOutput(reply.num_accepted, reply.next_token_id, reply.bonus, BatchLoad.from_proto(reply.batch),
                        draft_bytes)
 
     def decode(self, session_id: str, num_tokens: int, sampling: SamplingConfig,

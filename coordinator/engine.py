@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from specdec.rpc.errors import Cancelled, DeadlineExceeded
-from specdec.spec.proposer import Commit, Lookup, Proposal, Proposer, ProposerUnavailable, Verdict
+from specdec.spec.proposer import Commit, Lookup, Proposal, Proposer, ProposerUnavailable, RejectionOutput
 from specdec.spec.sampling import SamplingConfig
 from specdec.rpc import telemetry
 
@@ -331,7 +331,7 @@ class SpeculativeEngine:
                         controller.decode_steps(min(DECODE_CHUNK, limit + 1), proposer.looks_up)
                     decoded = self._observe_load(self.verifier.decode(session_id, steps, request.sampling,
                                                                       timeout()))
-                    target_ids, verdict = decoded.token_ids, Verdict(0, decoded.token_ids[-1], False, decoded.batch)
+                    target_ids, verdict = decoded.token_ids, RejectionOutput(0, decoded.token_ids[-1], False, decoded.batch)
                 else:
                     verdict = self._observe_load(self.verifier.verify(session_id, proposal, request.sampling,
                                                                       timeout()))

@@ -75,13 +75,19 @@ class Proposal:
 
 
 @dataclass(frozen=True)
-class Verdict:
-    """The rejection sampler's outcome for one proposal, as the coordinator sees it."""
-    num_accepted: int     # draft tokens kept, a prefix of the proposal
+class RejectionOutput:
+    """The rejection sampler's outcome for one proposal: made in the verifier
+    (specdec.spec.rejection), and as the coordinator receives it (with the batching
+    the call shared, and what its draft weighed on the wire)."""
+    num_accepted: int     # draft tokens kept, a prefix of the proposal (0..gamma)
     next_token_id: int    # the target's own token after them: recovered, or bonus when all were accepted
-    bonus: bool
+    bonus: bool           # every draft was accepted
     batch: BatchLoad = BatchLoad()
     draft_bytes: int = 0  # the draft data sent to the verifier: token ids and probabilities, serialized
+
+    def output_token_ids(self, draft_token_ids: Sequence[int]) -> list[int]:
+        """[num_accepted + 1]: the accepted drafts, then the recovered or bonus token."""
+        return [*(int(t) for t in draft_token_ids[: self.num_accepted]), self.next_token_id]
 
 
 @dataclass(frozen=True)

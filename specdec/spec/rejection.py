@@ -9,22 +9,11 @@ The tokens that come out are distributed exactly as the target's own samples.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
+from specdec.spec.proposer import RejectionOutput
 from specdec.spec.transform import sample_from
-
-
-@dataclass(frozen=True)
-class RejectionOutput:
-    num_accepted: int               # drafted tokens kept, 0..gamma
-    output_token_ids: torch.Tensor  # [num_accepted + 1]: accepted drafts, then the recovered or bonus token
-    bonus: bool                     # True when all drafts were accepted
-
-    @property
-    def next_token_id(self) -> int:
-        return int(self.output_token_ids[-1])
 
 
 def rejection_sample(
@@ -58,8 +47,7 @@ def rejection_sample(
         next_token = sample_from(residual / total if total > 0 else target_probs[num_accepted], generator)
     else:
         next_token = sample_from(target_probs[gamma], generator)
-    output = torch.cat([draft_token_ids[:num_accepted].cpu(), torch.tensor([next_token])])
-    return RejectionOutput(num_accepted, output, bonus=num_accepted == gamma)
+    return RejectionOutput(num_accepted, int(next_token), bonus=num_accepted == gamma)
 
 
 def greedy_accept(
@@ -72,5 +60,4 @@ def greedy_accept(
         draft_token_ids.shape, target_token_ids.shape)
     mismatch = (draft_token_ids.cpu() != target_token_ids[:gamma].cpu()).nonzero()
     num_accepted = int(mismatch[0]) if mismatch.numel() else gamma
-    output = target_token_ids[: num_accepted + 1].cpu().clone()
-    return RejectionOutput(num_accepted, output, bonus=num_accepted == gamma)
+    return RejectionOutput(num_accepted, int(target_token_ids[num_accepted]), bonus=num_accepted == gamma)
