@@ -29,6 +29,7 @@ from coordinator.clients import RemoteDraftProposer
 from coordinator.engine import GenerationRequest, SpeculativeEngine
 from coordinator.gamma import CostModel
 from coordinator.metrics import Metrics
+from coordinator.settings import DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P, PROPOSER_CHOICES
 from coordinator.requests import (Limits, max_token_chars, request_attributes, response_attributes, to_domain,
                                   update_to_proto)
 
@@ -44,8 +45,7 @@ DRAFTER_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEA
 
 # Proposer kinds (who drafts), as a request or --proposer names them; the draft
 # sources a round's tokens come from are specdec.spec.proposer's MODEL and NGRAM.
-KIND_HYBRID, KIND_MODEL, KIND_NGRAM = PROPOSERS = ("hybrid", "model", "ngram")
-DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P = 256, 0.99
+KIND_HYBRID, KIND_MODEL, KIND_NGRAM = PROPOSERS = PROPOSER_CHOICES
 
 
 @dataclass

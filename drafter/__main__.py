@@ -1,21 +1,17 @@
 """python -m drafter --model M --port P"""
 from __future__ import annotations
 
-import argparse
-
 from specdec.runtime import torch_thread
 
 torch_thread.spin_briefly()  # before torch loads: it shares the cores with the other model service
 
-from specdec.service.cli_common import add_model_args, run_model_service
+from specdec.service.cli_common import model_service_parser, run_model_service
 
 from drafter.service import serve
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m drafter", description="specdec drafter service")
-    add_model_args(parser, default_quantize="none")
-    run_model_service("drafter", parser.parse_args(argv), serve)
+    run_model_service("drafter", model_service_parser("drafter").parse_args(argv), serve)
 
 
 if __name__ == "__main__":

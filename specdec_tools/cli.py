@@ -13,6 +13,7 @@ import threading
 import grpc
 from google.protobuf import json_format
 
+from coordinator.settings import add_up_settings, up_passthrough
 from specdec.rpc.errors import SpecdecError
 from specdec.weights.pairs import DEFAULT_PAIR, PAIRS
 from specdec.rpc.security import ClientTls, load_token
@@ -54,19 +55,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         stack.stop()
 
 
-# `specdec up` options handed to the coordinator as they are.
-PASSTHROUGH = ("max_sessions", "auth_token_env", "auth_token_file", "tls_cert", "tls_key", "tls_client_ca",
-               "metrics_port", "drafter_timeout", "max_message_bytes", "health_port", "proposer", "draft_top_k",
-               "draft_top_p", "lookup_history_tokens")
-
-
 def coordinator_passthrough(args: argparse.Namespace) -> tuple[str, ...]:
-    out: list[str] = []
-    for name in PASSTHROUGH:
-        value = getattr(args, name)
-        if value is not None:
-            out += ["--" + name.replace("_", "-"), str(value)]
-    return tuple(out)
+    """`specdec up`'s flags for the coordinator (coordinator.settings), on its command line."""
+    return up_passthrough(args)
 
 
 def build_request(args: argparse.Namespace) -> coordinator_pb2.GenerateRequest:
@@ -187,23 +178,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051, help="coordinator port")
     up.add_argument("--device", default="cpu", help="cpu or cuda")
     up.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for each service")
-    up.add_argument("--max-sessions", type=int, help="coordinator: Generate calls at once (default 64)")
-    up.add_argument("--auth-token-env", metavar="VAR", help="coordinator: require this bearer token (env var)")
-    up.add_argument("--auth-token-file", metavar="PATH", help="coordinator: ... or the token in this file")
-    up.add_argument("--tls-cert", help="coordinator: serve TLS with this certificate")
-    up.add_argument("--tls-key", help="coordinator: ... and key")
-    up.add_argument("--tls-client-ca", help="coordinator: require client certificates from this CA (mTLS)")
-    up.add_argument("--metrics-port", type=int, help="coordinator: Prometheus metrics on this port")
-    up.add_argument("--drafter-timeout", type=float,
-                    help="coordinator: seconds a drafter call may take before the request goes on without it")
-    up.add_argument("--max-message-bytes", type=int, help="coordinator: largest request or response")
-    up.add_argument("--proposer", choices=["hybrid", "model", "ngram"],
-                    help="coordinator: who drafts (default hybrid: n-gram lookups, then the draft model)")
-    up.add_argument("--draft-top-k", type=int, help="coordinator: the draft support sent when sampling (top-k)")
-    up.add_argument("--draft-top-p", type=float, help="coordinator: ... and its top-p mass")
-    up.add_argument("--lookup-history-tokens", type=int,
-                    help="coordinator: tokens of recent outputs that lookups search (0: none)")
-    up.add_argument("--health-port", type=int, help="coordinator: grpc.health.v1 alone on this port")
+    add_up_settings(up)  # the coordinator's flags marked `up` in coordinator.settings, handed on as given
     up.add_argument("--model-transport", choices=["uds", "tcp"], default="uds",
                     help="how the coordinator reaches the drafter and verifier: Unix sockets in a private "
                          "directory (default: only this user can call them), or loopback TCP ports")

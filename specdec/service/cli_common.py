@@ -16,6 +16,13 @@ from specdec.runtime.cost_curve import CostCurve
 from specdec.runtime.models import LoadedModel, load_model
 
 
+def model_service_parser(name: str) -> argparse.ArgumentParser:
+    """`python -m drafter` or `python -m verifier`'s command line."""
+    parser = argparse.ArgumentParser(prog=f"python -m {name}", description=f"specdec {name} service")
+    add_model_args(parser, default_quantize="none")
+    return parser
+
+
 def add_model_args(parser: argparse.ArgumentParser, default_quantize: str) -> None:
     parser.add_argument("--model", required=True, help="HF model directory, .gguf file, or registry name")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback, sidecar mode)")

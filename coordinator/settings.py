@@ -1,0 +1,128 @@
+"""The coordinator's settings, declared once: its command line is built from
+this table, `specdec up` derives the flags it hands the coordinator from it
+(`up`), and the chart's test checks that the chart sets what it marks (`chart`)
+and nothing the command line does not know. No torch: the CLI's client side
+reads it too."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from specdec.rpc.serving import MAX_PUBLIC_MESSAGE_BYTES
+
+PROPOSER_CHOICES = ("hybrid", "model", "ngram")  # coordinator.service.PROPOSERS: who drafts
+DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P = 256, 0.99  # the draft support sent when sampling
+
+
+def parse_gamma(value: str) -> int | None:
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"--gamma takes auto or a positive integer, not {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Setting:
+    flag: str
+    options: dict = field(default_factory=dict)  # argparse's: type, default, choices, action, metavar, help
+    group: str = ""          # the help section it is listed in
+    up: bool = False         # `specdec up` takes it and hands it to the coordinator as it is
+    chart: bool = False      # the Helm chart sets it on every coordinator it renders
+    shared: bool = False     # declared by every service's shared flags (specdec.rpc.flags): listed for `up`
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+S = Setting
+SETTINGS: tuple[Setting, ...] = (
+    S("--verifier", dict(required=True, help="verifier address: HOST:PORT, or unix:PATH (sidecar mode)"), chart=True),
+    S("--drafter", dict(help="drafter address: HOST:PORT or unix:PATH (omit for target-only or n-gram serving)"),
+      chart=True),
+    S("--proposer", dict(default="hybrid", choices=PROPOSER_CHOICES,
+                         help="who drafts unless a request says: hybrid (n-gram lookups in the prompt, the output and "
+                              "recent outputs, free, then the drafter where they find nothing or beyond them), model "
+                              "(the drafter alone) or ngram (the lookups alone, no drafter)"), up=True, chart=True),
+    S("--draft-top-k", dict(type=int, default=DEFAULT_DRAFT_TOP_K,
+                            help="when sampling, the drafter samples from its top-k tokens, renormalized, and sends "
+                                 "only them (lossless: the verifier is told exactly that distribution); 0 with "
+                                 "--draft-top-p 1 sends the whole distribution (2 bytes per vocabulary entry per "
+                                 "token)"), up=True),
+    S("--draft-top-p", dict(type=float, default=DEFAULT_DRAFT_TOP_P,
+                            help="... and from the fewest top tokens holding this much of its mass (1: off)"), up=True),
+    S("--lookup-history-tokens", dict(type=int, default=0,
+                                      help="tokens of recent outputs that a caller's n-gram lookups search, kept per "
+                                           "authenticated caller (mTLS identity or bearer token; without auth, all "
+                                           "callers are one): what a lookup drafts shows in timing and stats (0, "
+                                           "the default: none; each request still searches its own prompt and "
+                                           "output)"), up=True, chart=True),
+    S("--host", dict(default="127.0.0.1", help="bind address"), chart=True),
+    S("--port", dict(type=int, default=50051), chart=True),
+    S("--gamma", dict(default="auto", type=parse_gamma,
+                      help="draft tokens per round: auto (adapted per request from rolling acceptance) or N"),
+      chart=True),
+    S("--gamma-max", dict(type=int, default=0,
+                          help="the most draft tokens auto picks per round (0: the verifier's measured cost curve "
+                               "decides, 8 without one)"), chart=True),
+    S("--max-new-tokens", dict(type=int, default=128, help="default when a request sets none"), chart=True),
+    S("--trace-file", dict(help="also write spans as OTLP-JSON lines to this file (tracing is off unless this or "
+                                "OTEL_EXPORTER_OTLP_ENDPOINT is set)")),
+    S("--metrics-port", dict(type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics"), up=True),
+    S("--connect-timeout", dict(type=float, default=300.0,
+                                help="seconds to wait for the drafter and verifier to be SERVING"), chart=True),
+    S("--max-sessions", dict(type=int, default=64, help="Generate calls served at once; beyond it, RESOURCE_EXHAUSTED"),
+      up=True, chart=True),
+    S("--max-message-bytes", dict(type=int, default=MAX_PUBLIC_MESSAGE_BYTES,
+                                  help="largest request or response on the public port"), up=True),
+    S("--drafter-timeout", dict(type=float, default=30.0,
+                                help="seconds a drafter call may take before the request goes on without it"), up=True),
+    S("--log-prompts", dict(action="store_true",
+                            help="include prompt text in the request log (off by default: prompts are users' data)")),
+    S("--auth-token-env", dict(metavar="VAR", help="require 'authorization: Bearer <token>', the token read from "
+                                                   "this environment variable"), group="auth", up=True),
+    S("--auth-token-file", dict(metavar="PATH", help="... or from this file"), group="auth", up=True),
+    S("--backend-tls-ca", dict(help="CA that signed their certificates"), group="backends"),
+    S("--backend-auth-token-env", dict(metavar="VAR", help="send this bearer token (from this environment variable) "
+                                                           "to the drafter and the verifier, which require it over "
+                                                           "TCP unless they use mutual TLS"), group="backends"),
+    S("--backend-auth-token-file", dict(metavar="PATH", help="... or the token in this file"), group="backends"),
+    S("--backend-tls-cert", dict(help="this coordinator's client certificate (mutual TLS)"), group="backends"),
+    S("--backend-tls-key", dict(help="... and its key"), group="backends"),
+    # Declared with every service's TLS and lifecycle flags; `specdec up` hands these on too.
+    S("--tls-cert", dict(help="serve TLS with this certificate"), up=True, shared=True),
+    S("--tls-key", dict(help="... and key"), up=True, shared=True),
+    S("--tls-client-ca", dict(help="require client certificates from this CA (mTLS)"), up=True, shared=True),
+    S("--health-port", dict(type=int, help="grpc.health.v1 alone on this port"), up=True, shared=True, chart=True),
+    S("--health-host", dict(help="bind address of --health-port"), shared=True, chart=True),
+    S("--grace-period", dict(type=float, help="on SIGTERM, seconds in-flight calls get to finish"), shared=True,
+      chart=True),
+)
+GROUPS = {"auth": "auth", "backends": "the drafter and verifier (TLS, token)"}
+
+
+def add_settings(parser: argparse.ArgumentParser) -> None:
+    """The coordinator's own flags (the shared ones are added by specdec.rpc.flags)."""
+    groups = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
+    for s in SETTINGS:
+        if not s.shared:
+            (groups[s.group] if s.group else parser).add_argument(s.flag, **s.options)
+
+
+def add_up_settings(parser: argparse.ArgumentParser) -> None:
+    """`specdec up`'s flags that go to the coordinator: each unset unless given."""
+    for s in SETTINGS:
+        if s.up:
+            options = {k: v for k, v in s.options.items() if k in ("type", "choices", "metavar")}
+            parser.add_argument(s.flag, help=f"coordinator: {s.options.get('help', '')}", **options)
+
+
+def up_passthrough(args: argparse.Namespace) -> tuple[str, ...]:
+    """The coordinator's flags `specdec up` was given, as they go on its command line."""
+    out: list[str] = []
+    for s in SETTINGS:
+        value = getattr(args, s.dest, None) if s.up else None
+        if value is not None:
+            out += [s.flag, str(value)]
+    return tuple(out)

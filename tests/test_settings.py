@@ -1,0 +1,71 @@
+"""Each setting declared once: the chart sets only flags the services' own command
+lines take (and every one the coordinator's table says it sets), and every
+coordinator flag `specdec up` takes reaches the coordinator as given."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import coordinator.__main__
+from coordinator.settings import SETTINGS
+from specdec.service.cli_common import model_service_parser
+from specdec_tools.cli import coordinator_passthrough, parser as cli_parser
+from tests.test_helm import VARIATIONS, by_kind, containers, render
+
+PARSERS = {"coordinator": coordinator.__main__.build_parser, "drafter": lambda: model_service_parser("drafter"),
+           "verifier": lambda: model_service_parser("verifier")}
+
+
+class Refused(Exception):
+    pass
+
+
+def strict(build) -> argparse.ArgumentParser:
+    parser = build()
+
+    def error(message):  # argparse exits; a test wants the message
+        raise Refused(message)
+    parser.error = error
+    return parser
+
+
+@pytest.mark.parametrize("name", list(VARIATIONS))
+def test_every_container_the_chart_renders_passes_args_its_service_takes(name):
+    seen = set()
+    for deployment in by_kind(render(VARIATIONS[name]), "Deployment"):
+        for container_name, container in containers(deployment).items():
+            if container_name not in PARSERS:
+                continue
+            seen.add(container_name)
+            try:
+                strict(PARSERS[container_name]).parse_args(container["args"])
+            except Refused as refused:
+                pytest.fail(f"{name}: the chart's {container_name} args are refused: {refused}")
+    assert seen == set(PARSERS)
+
+
+def test_the_chart_sets_every_coordinator_setting_it_is_declared_to():
+    (deployment,) = by_kind(render({}), "Deployment")
+    flags = {a.split("=", 1)[0] for a in containers(deployment)["coordinator"]["args"]}
+    missing = [s.flag for s in SETTINGS if s.chart and s.flag not in flags]
+    assert missing == []
+
+
+SAMPLES = {int: "7", float: "2.5", None: "value"}
+
+
+@pytest.mark.parametrize("setting", [s for s in SETTINGS if s.up], ids=lambda s: s.flag)
+def test_specdec_up_hands_each_of_its_coordinator_settings_on_as_given(setting):
+    choices = setting.options.get("choices")
+    given = choices[-1] if choices else SAMPLES[setting.options.get("type")]
+    args = cli_parser().parse_args(["up", "--pair", "tiny", setting.flag, given])
+    passed = coordinator_passthrough(args)
+    assert passed[0] == setting.flag
+    coordinator_args = strict(coordinator.__main__.build_parser).parse_args(["--verifier", "x", *passed])
+    expected = (setting.options.get("type") or str)(given)
+    assert getattr(coordinator_args, setting.dest) == expected
+
+
+def test_up_passes_nothing_it_was_not_given():
+    assert coordinator_passthrough(cli_parser().parse_args(["up", "--pair", "tiny"])) == ()
