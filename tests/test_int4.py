@@ -122,7 +122,7 @@ def test_int4_needs_a_gguf_source_and_says_so():
     from specdec.runtime.models import load_model
     with pytest.raises(InvalidArgument, match="builds its weights from a GGUF's Q4_K blocks"):
         load_model("tiny-target", quantize="int4")
-    with pytest.raises(InvalidArgument, match="quantize must be one of none, int8, int4"):
+    with pytest.raises(InvalidArgument, match="quantize must be one of none, int4, int8"):
         load_model("tiny-target", quantize="int3")
 
 
@@ -162,3 +162,16 @@ def test_the_codes_and_the_dense_weight_read_back_out_of_the_kernels_packing():
     fused = Int4Linear.concat(parts)
     assert all(torch.equal(p.dense_weight(), b) for p, b in zip(parts, before))
     assert torch.equal(fused.dense_weight(), torch.cat(before))
+
+
+def test_a_quantization_is_one_module_and_a_registration():
+    """The loader and the lean forward know quantizations only through the registry."""
+    import torch
+    from specdec.runtime.quant import FUSABLE, QUANTIZATIONS, fuse
+    from specdec.runtime.quant.int4 import Int4Linear
+    assert set(QUANTIZATIONS) == {"int4", "int8"}
+    assert QUANTIZATIONS["int4"].needs_gguf and QUANTIZATIONS["int8"].uses_head_vocab
+    assert QUANTIZATIONS["int4"].dtype_label("bf16") == "bf16+int4"
+    dense = [torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)]
+    assert fuse(dense) is None  # no registered kind fuses bf16 Linear layers: the lean forward runs them apart
+    assert Int4Linear in FUSABLE  # int4 layers fuse q/k/v and gate/up

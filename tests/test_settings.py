@@ -69,3 +69,10 @@ def test_specdec_up_hands_each_of_its_coordinator_settings_on_as_given(setting):
 
 def test_up_passes_nothing_it_was_not_given():
     assert coordinator_passthrough(cli_parser().parse_args(["up", "--pair", "tiny"])) == ()
+
+
+def test_specdec_up_offers_the_quantizations_the_model_services_have():
+    from specdec.runtime.models import QUANTIZE
+    up = next(a for a in cli_parser()._subparsers._group_actions[0].choices["up"]._actions
+              if a.dest == "draft_quantize")
+    assert set(up.choices) == set(QUANTIZE)

@@ -25,7 +25,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # Qwen2's is the same
 
 from specdec.runtime import dense_rows
-from specdec.runtime.quant.int4 import Int4Linear
+from specdec.runtime.quant import fuse
 from specdec.runtime.kv_pool import KVPool
 
 FAMILIES = ("llama", "qwen2")
@@ -133,11 +133,11 @@ class _Layer:
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.o_proj = attn.o_proj
         projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-        self.qkv = Int4Linear.concat(projections) if Int4Linear.concatenable(projections) else None
+        self.qkv = fuse(projections)
         self.q_proj, self.k_proj, self.v_proj = projections
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
         gate_up = [getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)]
-        self.gate_up = Int4Linear.concat(gate_up) if Int4Linear.concatenable(gate_up) else None
+        self.gate_up = fuse(gate_up)
         self.mlp = mlp
 
     def project_qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

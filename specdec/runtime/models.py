@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec.runtime.quant import int4, int8
+from specdec.runtime.quant import QUANTIZATIONS, QuantizeContext
 
 from specdec.runtime import lean, model_cache, torch_thread
 
@@ -101,7 +101,7 @@ def _cache_root(name: str, source: pathlib.Path | None) -> pathlib.Path | None:
     return registry.home() / "converted-local" / digest
 
 
-QUANTIZE = ("none", "int8", "int4")
+QUANTIZE = ("none", *QUANTIZATIONS)  # specdec.runtime.quant: each registers itself
 FORWARDS = ("lean", "hf")
 
 
@@ -117,17 +117,10 @@ def gguf_source(name: str) -> pathlib.Path | None:
 
 def _quantized(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device,
                quantize: str, head_vocab: int) -> PreTrainedModel:
-    if quantize == "int4" and device.type == "cuda":
-        int4.quantize_cuda(model)
-    elif quantize == "int4":
-        report = int4.quantize_from_gguf(model, str(gguf_source(name)))
-        log.info("%s: int4 from Q4_K blocks on %d Linear layers; %d in int8 (other GGUF types), "
-                 "%d did not match their GGUF tensor and were kept", name, report["int4"], report["int8"],
-                 report["mismatched"])
-    elif quantize == "int8":
-        special = [*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder, *_eos_ids(model, tokenizer)]
-        model = int8.quantize_model(model, device, head_vocab=head_vocab, special_ids=special)
-    return model
+    if quantize == "none":
+        return model
+    special = [*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder, *_eos_ids(model, tokenizer)]
+    return QUANTIZATIONS[quantize].apply(model, QuantizeContext(name, device, head_vocab, special, gguf_source(name)))
 
 
 @torch_thread.runs_on_it  # see specdec.runtime.torch_thread: the process's torch work stays on one thread
@@ -141,11 +134,12 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
         raise InvalidArgument(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
     torch_device = torch.device(device)
     source = _source(name)  # pulls a registry model first, so its GGUF is there for int4
-    if quantize == "int4" and gguf_source(name) is None:
+    if quantize != "none" and QUANTIZATIONS[quantize].needs_gguf and gguf_source(name) is None:
         raise InvalidArgument(f"--quantize int4 builds its weights from a GGUF's Q4_K blocks; {name!r} has no "
                               "GGUF source (give a .gguf file or a registry name)")
     tokenizer = _load_tokenizer(name, source)
-    settings = dict(quantize=quantize, dtype=dtype, head_vocab=head_vocab if quantize == "int8" else 0)
+    uses_head_vocab = quantize != "none" and QUANTIZATIONS[quantize].uses_head_vocab
+    settings = dict(quantize=quantize, dtype=dtype, head_vocab=head_vocab if uses_head_vocab else 0)
     root = _cache_root(name, source) if quantize != "none" and torch_device.type == "cpu" else None
     entry = model_cache.entry_dir(root, settings) if root else None
     model = model_cache.load(entry) if entry else None
@@ -158,7 +152,7 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
             except OSError as error:
                 log.warning("could not save the converted model to %s (%s); the next start converts again",
                             entry, error)
-    dtype = {"int4": f"{dtype}+int4", "int8": "fp32+int8"}.get(quantize, dtype)
+    dtype = QUANTIZATIONS[quantize].dtype_label(dtype) if quantize != "none" else dtype
     vocab = tokenizer.get_vocab()
     vocab_size = max(vocab.values()) + 1
     model_vocab = int(model.get_input_embeddings().weight.shape[0])

@@ -13,7 +13,7 @@ from specdec.rpc.security import load_token
 from specdec.rpc.serving import RunningServer, catch_stop_signals, run_until_signal
 from specdec.runtime import torch_thread
 from specdec.runtime.cost_curve import CostCurve
-from specdec.runtime.models import LoadedModel, load_model
+from specdec.runtime.models import QUANTIZE, LoadedModel, load_model
 
 
 def model_service_parser(name: str) -> argparse.ArgumentParser:
@@ -32,7 +32,7 @@ def add_model_args(parser: argparse.ArgumentParser, default_quantize: str) -> No
                              "enter its directory (made 0700 if missing) can call the service")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--quantize", default=default_quantize, choices=["none", "int8", "int4"],
+    parser.add_argument("--quantize", default=default_quantize, choices=QUANTIZE,
                         help="int8: specdec's INT8 (the drafter's default in pairs); int4: the GGUF's own Q4_K "
                              "blocks on torch's int4 kernel (CPU), tensors stored at higher precision in int8. "
                              "Converted once and kept in the model cache")

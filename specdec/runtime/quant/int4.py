@@ -20,7 +20,10 @@ from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
 from gguf.quants import Q4_K
 from torch import nn
 
+import logging
+
 from specdec.runtime import dense_rows
+from specdec.runtime.quant import Quantization, QuantizeContext, register
 
 GROUP = 32
 INNER_K_TILES = 2  # the packing layout the CPU kernel expects with this group size
@@ -275,3 +278,19 @@ def quantize_cuda(model: nn.Module) -> nn.Module:
     quantize_(model, Int4WeightOnlyConfig(group_size=GROUP),
               filter_fn=lambda module, _: isinstance(module, nn.Linear) and module is not head)
     return model
+
+
+log = logging.getLogger(__name__)
+
+
+def _apply(model: nn.Module, ctx: QuantizeContext) -> nn.Module:
+    if ctx.device.type == "cuda":
+        return quantize_cuda(model)
+    report = quantize_from_gguf(model, str(ctx.gguf))
+    log.info("%s: int4 from Q4_K blocks on %d Linear layers; %d in int8 (other GGUF types), "
+             "%d did not match their GGUF tensor and were kept", ctx.name, report["int4"], report["int8"],
+             report["mismatched"])
+    return model
+
+
+register(Quantization("int4", _apply, lambda dtype: f"{dtype}+int4", needs_gguf=True), fusable=[Int4Linear])

@@ -32,6 +32,7 @@ from torch import nn
 
 from specdec.runtime import dense_rows
 from specdec.rpc.errors import FailedPrecondition
+from specdec.runtime.quant import Quantization, register
 
 @functools.cache
 def _reduce_range() -> bool:
@@ -231,3 +232,9 @@ def _quantize_cuda(model: nn.Module) -> nn.Module:
         raise FailedPrecondition("--quantize int8 on cuda needs torchao: pip install torchao") from error
     quantize_(model, Int8DynamicActivationInt8WeightConfig())
     return model
+
+
+register(Quantization(
+    "int8", lambda model, ctx: quantize_model(model, ctx.device, head_vocab=ctx.head_vocab,
+                                              special_ids=list(ctx.special_ids)),
+    lambda dtype: "fp32+int8", uses_head_vocab=True))
