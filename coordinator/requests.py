@@ -10,10 +10,13 @@ from specdec.v1 import coordinator_pb2
 from specdec.spec.wire import sampling_from_proto
 
 from coordinator.engine import GenerationRequest, Stats, Update
+from coordinator.proposers import KINDS
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-PROPOSER_KINDS = {coordinator_pb2.PROPOSER_KIND_UNSPECIFIED: "", coordinator_pb2.PROPOSER_KIND_HYBRID: "hybrid",
-                  coordinator_pb2.PROPOSER_KIND_MODEL: "model", coordinator_pb2.PROPOSER_KIND_NGRAM: "ngram"}
+# ProposerKind values -> the kinds registered in coordinator.proposers (PROPOSER_KIND_<NAME> asks for kind
+# <name>; unspecified: the server's --proposer).
+PROPOSER_KINDS = {coordinator_pb2.PROPOSER_KIND_UNSPECIFIED: "",
+                  **{coordinator_pb2.ProposerKind.Value(f"PROPOSER_KIND_{name.upper()}"): name for name in KINDS}}
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_CHAT_MESSAGES = 4096  # a conversation's turns; its size in tokens is bounded by the context anyway

@@ -15,7 +15,6 @@ from opentelemetry.trace import SpanKind
 
 from specdec.rpc import telemetry
 from specdec.rpc.errors import FailedPrecondition, ResourceExhausted, Unavailable, unavailable_message
-from specdec.spec.hybrid import HybridProposer
 from specdec.spec.limits import MAX_PROPOSE_TOKENS
 from specdec.spec.ngram import RecentOutputs
 from specdec.spec.proposer import Proposer, ProposerUnavailable
@@ -29,7 +28,8 @@ from coordinator.clients import RemoteDraftProposer
 from coordinator.engine import GenerationRequest, SpeculativeEngine
 from coordinator.gamma import CostModel
 from coordinator.metrics import Metrics
-from coordinator.settings import DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P, PROPOSER_CHOICES
+from coordinator.proposers import KINDS
+from coordinator.settings import DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P
 from coordinator.requests import (Limits, max_token_chars, request_attributes, response_attributes, to_domain,
                                   update_to_proto)
 
@@ -43,9 +43,6 @@ DRAFTER_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEA
                                 grpc.StatusCode.FAILED_PRECONDITION})
 
 
-# Proposer kinds (who drafts), as a request or --proposer names them; the draft
-# sources a round's tokens come from are specdec.spec.proposer's MODEL and NGRAM.
-KIND_HYBRID, KIND_MODEL, KIND_NGRAM = PROPOSERS = PROPOSER_CHOICES
 
 
 @dataclass
@@ -80,8 +77,8 @@ class CoordinatorConfig:
     learn_costs: bool = True
 
     def __post_init__(self) -> None:
-        if self.proposer not in PROPOSERS:
-            raise ValueError(f"unknown proposer {self.proposer!r}; expected one of {', '.join(PROPOSERS)}")
+        if self.proposer not in KINDS:
+            raise ValueError(f"unknown proposer {self.proposer!r}; expected one of {', '.join(KINDS)}")
         self.draft_truncation.validate()
         if self.lookup_history_tokens < 0:
             raise ValueError(f"lookup_history_tokens must be >= 0, got {self.lookup_history_tokens}")
@@ -106,7 +103,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.backends = backends
         self.config = config
         target, draft = backends.target_info, backends.draft_info
-        max_propose = draft.max_propose_tokens if draft else 0 if config.proposer == KIND_MODEL else MAX_PROPOSE_TOKENS
+        max_propose = draft.max_propose_tokens if draft else 0 if KINDS[config.proposer].needs_drafter else \
+            MAX_PROPOSE_TOKENS
         self.limits = Limits(
             vocab_size=target.vocab_size, max_context=target.max_context,
             default_max_new_tokens=config.max_new_tokens, default_gamma=config.gamma or None,
@@ -143,31 +141,31 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _proposer(self, domain: GenerationRequest, timeout, caller: str = "") -> tuple[Proposer | None, str]:
         """The request's proposer (as it asks, or the server's), or None and why not."""
-        kind = domain.proposer or self.config.proposer
+        kind = KINDS[domain.proposer or self.config.proposer]
         # A seeded sample must not depend on what other requests wrote: its drafts
         # (and so its draws) come from its own tokens only.
         seeded = domain.sampling.seed is not None and not domain.sampling.greedy
         recent = None if seeded else self.recent_outputs(caller)
-        lookups = HybridProposer(None, recent)
-        if kind == KIND_NGRAM:
-            return lookups, ""
+        if not kind.uses_drafter:
+            return kind.build(None, recent), ""
         if self.backends.drafter is None:
-            if kind == KIND_MODEL:
-                raise FailedPrecondition("this coordinator runs without a drafter (--proposer ngram); ask for "
-                                         "the n-gram or hybrid proposer, or leave it unset")
-            return lookups, ""
+            if kind.needs_drafter:
+                raise FailedPrecondition(f"this coordinator runs without a drafter (--proposer ngram); the "
+                                         f"{kind.name} proposer needs one: ask for another, or leave it unset")
+            return kind.build(None, recent), ""
         if not self.backends.drafter_up:
             # Go on without the model until the watcher finds the drafter again.
             self.metrics.fallbacks.inc()
+            free = kind.build(None, recent)
             why = "the drafter was down when this request started; "
-            return (None, why + "it went target-only (same output, slower)") if kind == KIND_MODEL else \
-                (lookups, why + "it drafted with n-gram lookups alone (same output)")
+            return (free, why + ("it drafted with n-gram lookups alone (same output)" if free is not None else
+                                 "it went target-only (same output, slower)"))
         ttl = self.backends.draft_info.session_ttl_s if self.backends.draft_info else 0.0
         model = RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint, timeout,
                                     self.config.drafter_timeout_s, self.config.draft_truncation,
                                     keep_alive_s=ttl / 4 if ttl > 0 else DEFAULT_KEEP_ALIVE_S,
                                     is_up=lambda: self.backends.drafter_up)
-        return (model if kind == KIND_MODEL else HybridProposer(model, recent)), ""
+        return kind.build(model, recent), ""
 
     def _proposer_failed(self, exc: ProposerUnavailable) -> None:
         # Stop using it until the watcher has checked it again.
@@ -261,7 +259,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
 def serve(config: CoordinatorConfig, host: str = "127.0.0.1", port: int = 0) -> tuple[RunningServer, Backends]:
     """Connect and check the backends (raises TokenizerMismatch), then serve."""
-    backends = Backends(config.verifier, config.drafter if config.proposer != KIND_NGRAM else None,
+    backends = Backends(config.verifier, config.drafter if KINDS[config.proposer].uses_drafter else None,
                         config.connect_timeout_s, config.backend_tls, config.watch, config.backend_auth_token)
     servicer = CoordinatorServicer(backends, config)
     running = start_server(lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 
 from specdec.rpc.serving import MAX_PUBLIC_MESSAGE_BYTES
 
-PROPOSER_CHOICES = ("hybrid", "model", "ngram")  # coordinator.service.PROPOSERS: who drafts
+from coordinator.proposers import KINDS
+
+PROPOSER_CHOICES = tuple(KINDS)  # who drafts: coordinator.proposers
 DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P = 256, 0.99  # the draft support sent when sampling
 
 
@@ -42,9 +44,9 @@ SETTINGS: tuple[Setting, ...] = (
     S("--drafter", dict(help="drafter address: HOST:PORT or unix:PATH (omit for target-only or n-gram serving)"),
       chart=True),
     S("--proposer", dict(default="hybrid", choices=PROPOSER_CHOICES,
-                         help="who drafts unless a request says: hybrid (n-gram lookups in the prompt, the output and "
-                              "recent outputs, free, then the drafter where they find nothing or beyond them), model "
-                              "(the drafter alone) or ngram (the lookups alone, no drafter)"), up=True, chart=True),
+                         help="who drafts unless a request says: " + "; ".join(f"{k.name} ({k.help})"
+                                                                              for k in KINDS.values())),
+      up=True, chart=True),
     S("--draft-top-k", dict(type=int, default=DEFAULT_DRAFT_TOP_K,
                             help="when sampling, the drafter samples from its top-k tokens, renormalized, and sends "
                                  "only them (lossless: the verifier is told exactly that distribution); 0 with "

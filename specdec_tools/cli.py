@@ -13,6 +13,7 @@ import threading
 import grpc
 from google.protobuf import json_format
 
+from coordinator.proposers import KINDS
 from coordinator.settings import add_up_settings, up_passthrough
 from specdec.rpc.errors import SpecdecError
 from specdec.weights.pairs import DEFAULT_PAIR, PAIRS
@@ -198,7 +199,7 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--gamma", type=int)
     gen.add_argument("--no-speculation", action="store_true", help="target-only decoding")
-    gen.add_argument("--proposer", choices=["hybrid", "model", "ngram"],
+    gen.add_argument("--proposer", choices=tuple(KINDS),
                      help="who drafts for this request (default: the server's)")
     gen.add_argument("--stream", action="store_true")
     gen.add_argument("--json", action="store_true", help="print the whole response, stats included")
