@@ -172,17 +172,17 @@ class SpeculativeEngine:
         decodes target-only and says so in its stats).
         Stops within one round of the caller cancelling or its deadline passing.
         Both sessions are ended however the generator is left (done, error, cancel)."""
-        session_id = session_id or uuid.uuid4().hex
         stats = Stats(prompt_tokens=len(request.prompt_ids), gamma=request.gamma_max if proposer else 0,
                       fallback=fallback)
         eos = () if request.ignore_eos else self.eos_token_ids
-        output = OutputAccumulator(self.tokenizer, eos, request.max_new_tokens, request.stop)
+        g = Generation(session_id or uuid.uuid4().hex, request, stats,
+                       OutputAccumulator(self.tokenizer, eos, request.max_new_tokens, request.stop), timeout, proposer)
         started = time.perf_counter()
         self.load.enter()
         try:
-            for new_tokens in self._all_rounds(session_id, request, proposer, stats, output, timeout, started):
-                delta = output.add(new_tokens)
-                stats.output_tokens = len(output.token_ids)
+            for new_tokens in self._all_rounds(g, started):
+                delta = g.output.add(new_tokens)
+                stats.output_tokens = len(g.output.token_ids)
                 stats.total_ms = (time.perf_counter() - started) * 1e3
                 if not stats.first_token_ms:
                     stats.first_token_ms = stats.total_ms
@@ -194,72 +194,70 @@ class SpeculativeEngine:
                 self._check_caller(cancelled, timeout, stats)
         finally:
             self.load.leave()
-            if proposer is not None:
+            if proposer is not None:  # the one the request started with: its session, whatever replaced it
                 proposer.end()
-            self.verifier.end_session(session_id)
+            self.verifier.end_session(g.session_id)
 
-    def _all_rounds(self, session_id: str, request: GenerationRequest, proposer: Proposer | None, stats: Stats,
-                    output: OutputAccumulator, timeout, started: float) -> Iterator[list[int]]:
+    def _all_rounds(self, g: "Generation", started: float) -> Iterator[list[int]]:
         # 1. The target's prefill, and its first token alone: the time to the first
         #    token is target-only's. The proposer prefills after it, not at the same
         #    time: on the same cores each model's thread team oversubscribed them (the
         #    default pair's speculative prefill took a median 2.9 s on Spec-Bench
         #    against 0.69 s for the target's alone).
-        self.verifier.start_session(session_id, request.prompt_ids, timeout())
-        if proposer is None:
-            stats.prefill_ms = (time.perf_counter() - started) * 1e3
-            yield from self._target_only_rounds(session_id, request, stats, output, timeout)
-            return
-        # The session caches all but the prompt's last token; the forward over it is
-        # the rest of the prefill, and its token is the first (not a round).
-        first = self._observe_load(self.verifier.decode(session_id, 1, request.sampling, timeout())).token_ids
-        stats.prefill_ms = (time.perf_counter() - started) * 1e3
-        yield first
+        self.verifier.start_session(g.session_id, g.request.prompt_ids, g.timeout())
+        if g.proposer is not None:
+            # The session caches all but the prompt's last token; the forward over it is
+            # the rest of the prefill, and its token is the first (not a round).
+            first = self._observe_load(self.verifier.decode(g.session_id, 1, g.request.sampling,
+                                                            g.timeout())).token_ids
+            g.stats.prefill_ms = (time.perf_counter() - started) * 1e3
+            yield first
+            g.context = [*g.request.prompt_ids, *first]
+            # 2-3. Whether the model drafts at all, and the proposer's prefill.
+            self._start_proposer(g)
+        else:
+            g.stats.prefill_ms = (time.perf_counter() - started) * 1e3
+        # 4. Speculative rounds, or target-only ones where nothing is left to draft with.
+        yield from (self._speculative_rounds(g) if g.proposer is not None else self._target_only_rounds(g))
+
+    def _start_proposer(self, g: "Generation") -> None:
         # 2. Adaptive γ: draft with the model only if that is expected to save more
         #    than the proposer's prefill of this prompt costs; free drafts need none.
-        controller = GammaController(request.gamma_max, self.gamma_priors.start(request.sampling),
-                                     load=self.load) if request.adaptive else None
-        context = [*request.prompt_ids, *first]  # every token decided: what lookups search
-        if (controller is not None and proposer.drafts_with_model
-                and not controller.prefill_pays(len(context), request.max_new_tokens - 1)):
-            why = (f"drafting was not expected to save what the drafter's prefill of the {len(context)}-token "
-                   f"prompt costs (with {controller.calls():.1f} calls sharing each verifier forward)")
-            proposer = self._without_model(proposer, stats, why, controller)
-            if proposer is None:
-                yield from self._target_only_rounds(session_id, request, stats, output, timeout)
+        request = g.request
+        g.controller = GammaController(request.gamma_max, self.gamma_priors.start(request.sampling),
+                                       load=self.load) if request.adaptive else None
+        if (g.controller is not None and g.proposer.drafts_with_model
+                and not g.controller.prefill_pays(len(g.context), request.max_new_tokens - 1)):
+            self._without_model(g, f"drafting was not expected to save what the drafter's prefill of the "
+                                   f"{len(g.context)}-token prompt costs (with {g.controller.calls():.1f} calls "
+                                   "sharing each verifier forward)")
+            if g.proposer is None:
                 return
         # 3. The proposer's prefill: the prompt and the first token.
         prefilled = time.perf_counter()
-        proposer.start(session_id, context)
+        g.proposer.start(g.session_id, g.context)
         try:
-            proposer.ready()
+            g.proposer.ready()
         except ProposerUnavailable as exc:
-            proposer = self._fall_back(exc, proposer, stats, controller)
-            if proposer is None:
-                yield from self._target_only_rounds(session_id, request, stats, output, timeout)
-                return
+            self._fall_back(g, exc)
         finally:
             prefill_ms = (time.perf_counter() - prefilled) * 1e3
-            stats.prefill_ms += prefill_ms
-        if controller is not None and proposer.drafts_with_model:
-            controller.state.cost.observe_draft_prefill(len(context), prefill_ms)
-        # 4. Speculative rounds.
-        yield from self._speculative_rounds(session_id, request, proposer, stats, output, timeout, controller,
-                                            context)
+            g.stats.prefill_ms += prefill_ms
+        if g.proposer is not None and g.controller is not None and g.proposer.drafts_with_model:
+            g.controller.state.cost.observe_draft_prefill(len(g.context), prefill_ms)
 
     @staticmethod
-    def _without_model(proposer: Proposer, stats: Stats, why: str,
-                       controller: GammaController | None) -> Proposer | None:
-        """The request's proposer without its model: its free drafts, or None (target-only)."""
-        free = proposer.free_only()
+    def _without_model(g: "Generation", why: str) -> None:
+        """The request goes on without the proposer's model: its free drafts, or target-only."""
+        free = g.proposer.free_only()
         if free is None:
-            stats.gamma = 0
-            stats.fallback = f"{why}; this request went target-only (same output, slower)"
-            return None
-        stats.fallback = f"{why}; this request drafted with n-gram lookups alone (same output)"
-        if controller is not None:
-            controller.without_model()
-        return free
+            g.stats.gamma = 0
+            g.stats.fallback = f"{why}; this request went target-only (same output, slower)"
+        else:
+            g.stats.fallback = f"{why}; this request drafted with n-gram lookups alone (same output)"
+            if g.controller is not None:
+                g.controller.without_model()
+        g.proposer = free
 
     @staticmethod
     def _check_caller(cancelled, timeout, stats: Stats) -> None:
@@ -271,35 +269,29 @@ class SpeculativeEngine:
             raise DeadlineExceeded(f"the deadline passed after {stats.output_tokens} tokens "
                                    f"({stats.rounds} rounds); raise the client's timeout or lower max_new_tokens")
 
-    def _fall_back(self, exc: ProposerUnavailable, proposer: Proposer, stats: Stats,
-                   controller: GammaController | None) -> Proposer | None:
+    def _fall_back(self, g: "Generation", exc: ProposerUnavailable) -> None:
         """The proposer failed: go on without its model."""
         self.metrics.fallbacks.inc()
         self.on_proposer_failure(exc)
-        return self._without_model(proposer, stats, str(exc), controller)
+        self._without_model(g, str(exc))
 
-    def _speculative_rounds(self, session_id: str, request: GenerationRequest, proposer: Proposer, stats: Stats,
-                            output: OutputAccumulator, timeout, controller: GammaController | None,
-                            context: list[int]) -> Iterator[list[int]]:
+    def _speculative_rounds(self, g: "Generation") -> Iterator[list[int]]:
         try:
-            while True:
+            while g.proposer is not None:
                 try:
-                    yield from self._rounds(session_id, request, proposer, stats, output, timeout, controller,
-                                            context)
+                    yield from self._rounds(g)
                 except ProposerUnavailable as exc:
-                    # Raised by propose(), before this round's Verify: the verifier's session
-                    # is whole, and decoding carries on from exactly there, with the free
-                    # drafts if the proposer has them, else target-only.
-                    proposer = self._fall_back(exc, proposer, stats, controller)
-                    if proposer is None:
-                        yield from self._target_only_rounds(session_id, request, stats, output, timeout)
-                        return
+                    # Raised before this round's Verify: the verifier's session is whole, and
+                    # decoding carries on from exactly there, with the free drafts if the
+                    # proposer has them, else target-only.
+                    self._fall_back(g, exc)
+            yield from self._target_only_rounds(g)
         finally:
-            if controller is not None:
-                self.gamma_priors.finish(request.sampling, controller.state)
+            if g.controller is not None:
+                self.gamma_priors.finish(g.request.sampling, g.controller.state)
 
-    def _rounds(self, session_id, request, proposer, stats, output, timeout, controller,
-                context: list[int]) -> Iterator[list[int]]:
+    def _rounds(self, g: "Generation") -> Iterator[list[int]]:
+        request, proposer, controller, stats = g.request, g.proposer, g.controller, g.stats
         commit: Commit | None = None  # what the proposer has not yet been told
         while True:
             with telemetry.tracer.start_as_current_span("round") as span:
@@ -307,8 +299,8 @@ class SpeculativeEngine:
                 #    them, by fixed γ or by the controller; the verifier always adds one token.
                 #    (A proposer that cannot go on raises here, before anything is sent.)
                 proposer.keep_alive()
-                limit = max(0, request.max_new_tokens - len(output.token_ids) - 1)
-                lookup = proposer.lookup(context, limit)
+                limit = max(0, request.max_new_tokens - len(g.output.token_ids) - 1)
+                lookup = proposer.lookup(g.context, limit)
                 plan = controller.plan(lookup, limit) if controller else fixed_plan(
                     lookup, min(request.gamma_max, limit), proposer.drafts_with_model)
                 # 2. Propose; the previous round's commit rides on the call.
@@ -329,28 +321,32 @@ class SpeculativeEngine:
                 if not proposal.token_ids:
                     steps = 1 if controller is None else \
                         controller.decode_steps(min(DECODE_CHUNK, limit + 1), proposer.looks_up)
-                    decoded = self._observe_load(self.verifier.decode(session_id, steps, request.sampling,
-                                                                      timeout()))
-                    target_ids, verdict = decoded.token_ids, RejectionOutput(0, decoded.token_ids[-1], False, decoded.batch)
+                    decoded = self._observe_load(self.verifier.decode(g.session_id, steps, request.sampling,
+                                                                      g.timeout()))
+                    target_ids = decoded.token_ids
+                    result = RejectionOutput(0, decoded.token_ids[-1], False, decoded.batch)
                 else:
-                    verdict = self._observe_load(self.verifier.verify(session_id, proposal, request.sampling,
-                                                                      timeout()))
-                    target_ids = [verdict.next_token_id]
+                    result = self._observe_load(self.verifier.verify(g.session_id, proposal, request.sampling,
+                                                                     g.timeout()))
+                    target_ids = [result.next_token_id]
                 verify_ms = (time.perf_counter() - started) * 1e3
                 # 4. The round's tokens: accepted drafts, then the recovered or bonus token (or the decoded ones).
-                new_tokens = [*proposal.token_ids[: verdict.num_accepted], *target_ids]
-                context += new_tokens
+                new_tokens = [*proposal.token_ids[: result.num_accepted], *target_ids]
+                g.context += new_tokens
                 # 5. Remember what the proposer must commit next time it is called
                 #    (with no proposal this round, the target tokens pile up).
-                commit = Commit(verdict.num_accepted, tuple(target_ids)) if commit is None else \
+                commit = Commit(result.num_accepted, tuple(target_ids)) if commit is None else \
                     Commit(commit.num_accepted, commit.target_token_ids + tuple(target_ids))
                 # 6. Record the round once: stats, metrics, the controller and the span read it.
-                record = RoundRecord(stats.rounds, plan.drafted, len(proposal.token_ids), verdict.num_accepted,
-                                     verdict.bonus, draft_ms, verify_ms, min_confidence, proposal.confidences,
-                                     len(target_ids), proposal.batch.mean_rows, proposal.batch.mean_calls,
-                                     proposal.batch.queue_ms, verdict.batch.mean_rows, verdict.batch.mean_calls,
-                                     verdict.batch.queue_ms, proposal.ngram_tokens,
-                                     lookup.match_length if proposal.ngram_tokens else 0, verdict.draft_bytes)
+                record = RoundRecord(
+                    stats.rounds, gamma=plan.drafted, drafted=len(proposal.token_ids), accepted=result.num_accepted,
+                    bonus=result.bonus, draft_ms=draft_ms, verify_ms=verify_ms, min_confidence=min_confidence,
+                    confidences=proposal.confidences, steps=len(target_ids),
+                    draft_batch_rows=proposal.batch.mean_rows, draft_batch_calls=proposal.batch.mean_calls,
+                    draft_queue_ms=proposal.batch.queue_ms, verify_batch_rows=result.batch.mean_rows,
+                    verify_batch_calls=result.batch.mean_calls, verify_queue_ms=result.batch.queue_ms,
+                    ngram_drafted=proposal.ngram_tokens,
+                    ngram_match=lookup.match_length if proposal.ngram_tokens else 0, draft_bytes=result.draft_bytes)
                 self._record(record, stats, controller)
                 span.set_attributes(record.span_attributes())
             yield new_tokens
@@ -367,23 +363,34 @@ class SpeculativeEngine:
             stats.gamma = record.gamma  # adaptive: the γ of the latest round
             controller.observe(record)
 
-    def _target_only_rounds(self, session_id: str, request: GenerationRequest, stats: Stats,
-                            output: OutputAccumulator, timeout) -> Iterator[list[int]]:
+    def _target_only_rounds(self, g: "Generation") -> Iterator[list[int]]:
         # The first token alone, so it streams as soon as it is decided; then chunks.
-        chunk = 1 if not output.token_ids else DECODE_CHUNK
+        chunk = 1 if not g.output.token_ids else DECODE_CHUNK
         while True:
-            yield self._decode(session_id, min(chunk, request.max_new_tokens - len(output.token_ids)), request,
-                               stats, timeout)
+            yield self._decode(g, min(chunk, g.request.max_new_tokens - len(g.output.token_ids)))
             chunk = DECODE_CHUNK
 
-    def _decode(self, session_id: str, num_tokens: int, request: GenerationRequest, stats: Stats,
-                timeout) -> list[int]:
+    def _decode(self, g: "Generation", num_tokens: int) -> list[int]:
         started = time.perf_counter()
-        decoded = self._observe_load(self.verifier.decode(session_id, num_tokens, request.sampling, timeout()))
+        decoded = self._observe_load(self.verifier.decode(g.session_id, num_tokens, g.request.sampling,
+                                                          g.timeout()))
         # Not a speculation round: the stats count it, the round metrics do not (but its batching).
-        stats.record(RoundRecord(stats.rounds, 0, 0, 0, False, verify_ms=(time.perf_counter() - started) * 1e3,
-                                 verify_batch_rows=decoded.batch.mean_rows,
-                                 verify_batch_calls=decoded.batch.mean_calls,
-                                 verify_queue_ms=decoded.batch.queue_ms))
+        g.stats.record(RoundRecord(g.stats.rounds, 0, 0, 0, False, verify_ms=(time.perf_counter() - started) * 1e3,
+                                   verify_batch_rows=decoded.batch.mean_rows,
+                                   verify_batch_calls=decoded.batch.mean_calls,
+                                   verify_queue_ms=decoded.batch.queue_ms))
         self.metrics.observe_batch(decoded.batch.mean_rows, decoded.batch.queue_ms)
         return decoded.token_ids
+
+
+@dataclass
+class Generation:
+    """One request through its rounds: what the loop's steps share."""
+    session_id: str
+    request: GenerationRequest
+    stats: Stats
+    output: OutputAccumulator
+    timeout: Callable[[], float | None]        # seconds left of the caller's deadline (None: no deadline)
+    proposer: Proposer | None                  # None: target-only from here on
+    controller: GammaController | None = None  # adaptive γ's, once the first token is out
+    context: list[int] = field(default_factory=list)  # every token decided: what lookups search
