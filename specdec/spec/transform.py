@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+                                                    TopKLogitsWarper, TopPLogitsWarper)
 
 from specdec.spec.sampling import SamplingConfig, generator_seed
 
@@ -19,16 +19,13 @@ def make_generator(config: SamplingConfig, role: str, device: torch.device | str
     return generator
 
 
-def _warpers(config: SamplingConfig) -> LogitsProcessorList:
-    # Same order as transformers' generate(): the penalty first, then these.
+def _truncation(config: SamplingConfig) -> LogitsProcessorList:
+    # Same order as transformers' generate(): the penalty, the temperature, then these.
     steps = LogitsProcessorList()
-    if not config.greedy:
-        if config.temperature != 1.0:
-            steps.append(TemperatureLogitsWarper(config.temperature))
-        if config.top_k > 0:
-            steps.append(TopKLogitsWarper(config.top_k))
-        if config.top_p < 1.0:
-            steps.append(TopPLogitsWarper(config.top_p))
+    if config.top_k > 0:
+        steps.append(TopKLogitsWarper(config.top_k))
+    if config.top_p < 1.0:
+        steps.append(TopPLogitsWarper(config.top_p))
     return steps
 
 
@@ -43,27 +40,34 @@ def transform_logits(
     assert logits.dim() == 2 and len(row_tokens) >= n - 1, (logits.shape, len(row_tokens))
     scores = logits[:, :vocab_size].float()
     penalty = config.repetition_penalty != 1.0
-    warpers = _warpers(config)
-    if not penalty and not warpers:
+    if not penalty and config.greedy:
         return scores
-    # Stable for every temperature and penalty validate() takes: in float64 a
-    # logit divided by a penalty down to 2^-126 stays finite, and with each row's
-    # maximum subtracted before the temperature divides, a temperature down to
-    # 2^-126 gives the greedy limit (0 at the maximum, -inf or far below it
-    # elsewhere) instead of inf - inf = NaN.
-    scores = scores.double()
     if penalty:
+        # A penalty below 1 divides the seen tokens' positive logits by it, which
+        # overflows float32 for a small one: those rows run in float64, where it
+        # stays finite down to 2^-126 (validate()'s bound).
+        if config.repetition_penalty < 1.0:
+            scores = scores.double()
+        # Row i penalizes the history and the row tokens before it; the processor
+        # returns new rows (it scatters out of place), so the caller's logits stay as they were.
         apply = RepetitionPenaltyLogitsProcessor(config.repetition_penalty)
-        prefix = list(history)
+        prefix, rows = list(history), []
         for i in range(n):
-            ids = torch.tensor([prefix], dtype=torch.long, device=scores.device)
-            scores[i : i + 1] = apply(ids, scores[i : i + 1].clone())
+            rows.append(apply(torch.tensor([prefix], dtype=torch.long, device=scores.device), scores[i : i + 1]))
             if i < len(row_tokens):
                 prefix.append(int(row_tokens[i]))
-    if warpers:
+        scores = torch.cat(rows)
+    if not config.greedy:
+        # Each row's maximum subtracted before the temperature divides: a temperature
+        # down to 2^-126 then gives the greedy limit (0 at the maximum, -inf or far
+        # below it elsewhere) instead of inf - inf = NaN. The subtraction makes the
+        # copy the division (TemperatureLogitsWarper's) then runs in place on.
         scores = scores - scores.amax(dim=-1, keepdim=True)
-        empty = torch.empty((n, 0), dtype=torch.long, device=scores.device)  # the warpers read no history
-        scores = warpers(empty, scores)
+        if config.temperature != 1.0:
+            scores.div_(config.temperature)
+        truncation = _truncation(config)
+        if truncation:
+            scores = truncation(torch.empty((n, 0), dtype=torch.long, device=scores.device), scores)
     return scores.float()
 
 
