@@ -14,7 +14,7 @@ import grpc
 from google.protobuf import json_format
 
 from coordinator.proposers import KINDS
-from coordinator.settings import add_up_settings, up_passthrough
+from coordinator.settings import add_up_settings, up_passthrough as coordinator_passthrough
 from specdec.rpc.errors import SpecdecError
 from specdec.weights.pairs import DEFAULT_PAIR, PAIRS
 from specdec.rpc.security import ClientTls, load_token
@@ -54,11 +54,6 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     finally:
         stack.stop()
-
-
-def coordinator_passthrough(args: argparse.Namespace) -> tuple[str, ...]:
-    """`specdec up`'s flags for the coordinator (coordinator.settings), on its command line."""
-    return up_passthrough(args)
 
 
 def build_request(args: argparse.Namespace) -> coordinator_pb2.GenerateRequest:

@@ -16,7 +16,7 @@ import drafter.service
 import verifier.service
 from coordinator.backends import Backends
 from coordinator.service import CoordinatorConfig, serve as serve_coordinator
-from specdec.runtime.cost_curve import CostCurve
+from specdec.runtime.cost_curve import COST_CURVE_ENV, CostCurve
 from specdec.runtime.models import LoadedModel, load_model
 from specdec.rpc.serving import RunningServer, channel
 from specdec.v1 import coordinator_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc
@@ -26,8 +26,8 @@ from specdec.v1 import coordinator_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc
 # drafter prefill dearer than what drafting could save. `pytest --slow-draft-curves`
 # pins these in every model service of the run (in-process and subprocesses), so
 # that no test can pass only because this machine's timings made the adaptive γ draft.
-SLOW_DRAFT_CURVES = {"SPECDEC_DRAFTER_COST_CURVE": "200,210,220,230,240:50",
-                     "SPECDEC_VERIFIER_COST_CURVE": "20,21,22,23,24,25,26,27,28:2"}
+SLOW_DRAFT_CURVES = {COST_CURVE_ENV["Drafter"]: "200,210,220,230,240:50",
+                     COST_CURVE_ENV["Verifier"]: "20,21,22,23,24,25,26,27,28:2"}
 
 
 def pytest_addoption(parser):

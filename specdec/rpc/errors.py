@@ -86,38 +86,26 @@ def public_message(service: str, code: grpc.StatusCode, details: str) -> str:
     return f"the {service} refused the call: {details}"
 
 
-def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status a caller should see for `exc`. An unexpected exception's text
-    (paths, tensor shapes, internal names) is never sent: the caller gets an
-    error id to report, and the log and the span get the traceback under it."""
-    if isinstance(exc, SpecdecError):
-        return exc.code, str(exc)
-    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
-        # A downstream service failed: pass its code on, say which call it was.
-        return exc.code(), exc.details() or str(exc)
-    return grpc.StatusCode.INTERNAL, internal_message(new_error_id())
-
-
-def new_error_id() -> str:
-    return uuid.uuid4().hex[:16]
-
-
-def internal_message(error_id: str) -> str:
-    return (f"internal error (error id {error_id}): the service failed on this call; retry, and if it persists "
-            "report the error id (the service's log has the details under it)")
-
-
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
-    code, message = status_of(exc)
-    if code == grpc.StatusCode.INTERNAL and not isinstance(exc, (SpecdecError, grpc.RpcError)):
-        error_id = new_error_id()
-        message = internal_message(error_id)
+    """Ends the call with the status the caller should see for `exc`. An unexpected
+    exception's text (paths, tensor shapes, internal names) is never sent: the
+    caller gets an error id to report, and the log and the span the traceback under it."""
+    if isinstance(exc, SpecdecError):
+        code, message = exc.code, str(exc)
+    elif isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        # A downstream service failed: pass its code on, say which call it was.
+        code, message = exc.code(), exc.details() or str(exc)
+    else:
+        error_id = uuid.uuid4().hex[:16]
         log.error("%s failed (error id %s)", method, error_id, exc_info=exc)
         span = trace.get_current_span()
         span.record_exception(exc)
         span.set_attribute("specdec.error_id", error_id)
         span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__} (error id {error_id})"))
-    elif code == grpc.StatusCode.INTERNAL:
+        return context.abort(grpc.StatusCode.INTERNAL,  # (abort raises: the call ends here)
+                             f"internal error (error id {error_id}): the service failed on this call; retry, "
+                             "and if it persists report the error id (the service's log has the details under it)")
+    if code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method)
     else:
         log.info("%s: %s: %s", method, code.name, message)

@@ -20,6 +20,7 @@ much as the first four, and is better left to the next forward.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from specdec.runtime.cost_curve import RowCost  # noqa: F401 - the scheduler's c
 from specdec.runtime.kv_cache import Forward, Steps, run_steps
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 TOLERANCE = 0.1  # cost per row within this of the best counts as as good: timings this close are noise
 
 
@@ -190,7 +192,7 @@ class Scheduler:
         try:
             self.on_forward(rows, calls)
         except Exception:  # metrics must never fail a call
-            pass
+            log.exception("the scheduler's on_forward hook failed")
 
     @classmethod
     def _advance(cls, call: _Call, step: Callable[[_Call], Forward]) -> None:

@@ -117,7 +117,7 @@ def gguf_source(name: str) -> pathlib.Path | None:
 
 def _quantized(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device,
                quantize: str, head_vocab: int) -> PreTrainedModel:
-    if quantize == "none":
+    if quantize not in QUANTIZATIONS:  # "none"
         return model
     special = [*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder, *_eos_ids(model, tokenizer)]
     return QUANTIZATIONS[quantize].apply(model, QuantizeContext(name, device, head_vocab, special, gguf_source(name)))
@@ -134,13 +134,14 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
         raise InvalidArgument(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
     torch_device = torch.device(device)
     source = _source(name)  # pulls a registry model first, so its GGUF is there for int4
-    if quantize != "none" and QUANTIZATIONS[quantize].needs_gguf and gguf_source(name) is None:
+    quantization = QUANTIZATIONS.get(quantize)  # None: "none"
+    if quantization is not None and quantization.needs_gguf and gguf_source(name) is None:
         raise InvalidArgument(f"--quantize int4 builds its weights from a GGUF's Q4_K blocks; {name!r} has no "
                               "GGUF source (give a .gguf file or a registry name)")
     tokenizer = _load_tokenizer(name, source)
-    uses_head_vocab = quantize != "none" and QUANTIZATIONS[quantize].uses_head_vocab
+    uses_head_vocab = quantization is not None and quantization.uses_head_vocab
     settings = dict(quantize=quantize, dtype=dtype, head_vocab=head_vocab if uses_head_vocab else 0)
-    root = _cache_root(name, source) if quantize != "none" and torch_device.type == "cpu" else None
+    root = _cache_root(name, source) if quantization is not None and torch_device.type == "cpu" else None
     entry = model_cache.entry_dir(root, settings) if root else None
     model = model_cache.load(entry) if entry else None
     if model is None:
@@ -152,7 +153,7 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
             except OSError as error:
                 log.warning("could not save the converted model to %s (%s); the next start converts again",
                             entry, error)
-    dtype = QUANTIZATIONS[quantize].dtype_label(dtype) if quantize != "none" else dtype
+    dtype = quantization.dtype_label(dtype) if quantization is not None else dtype
     vocab = tokenizer.get_vocab()
     vocab_size = max(vocab.values()) + 1
     model_vocab = int(model.get_input_embeddings().weight.shape[0])

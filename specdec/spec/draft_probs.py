@@ -28,7 +28,7 @@ def encode_probs(probs: torch.Tensor) -> bytes:
     return probs.detach().to("cpu", torch.float16).numpy().astype("<f2", copy=False).tobytes()
 
 
-def decode_probs(data: bytes, n: int, vocab_size: int, where: str = "draft_probs_fp16") -> torch.Tensor:
+def decode_probs(data: bytes, n: int, vocab_size: int, where: str = "draft_probs") -> torch.Tensor:
     """fp16 bytes -> [n, V] float32, validated, renormalized as the drafter did."""
     expected = n * vocab_size * 2
     if len(data) != expected:

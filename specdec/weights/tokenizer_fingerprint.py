@@ -18,6 +18,8 @@ from typing import Any
 import transformers
 from transformers import PreTrainedTokenizerBase
 
+from specdec.rpc.errors import FailedPrecondition
+
 
 def describe(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     """The canonical, JSON-able description that the fingerprint hashes."""
@@ -103,7 +105,8 @@ def load_tokenizer_files(files: dict[str, bytes], expected_fingerprint: str | No
     """A tokenizer from its saved files, as the class they name (tokenizer_config.json):
     transformers' AutoTokenizer would import torch, which the coordinator's process
     does without. Where that class's fingerprint is not `expected_fingerprint`,
-    AutoTokenizer decides after all."""
+    AutoTokenizer decides after all, and FailedPrecondition is raised where its
+    fingerprint is not either (the files changed in transfer)."""
     with tempfile.TemporaryDirectory() as tmp:
         for name, data in files.items():
             if "/" in name or name.startswith("."):
@@ -119,4 +122,8 @@ def load_tokenizer_files(files: dict[str, bytes], expected_fingerprint: str | No
             if expected_fingerprint is None or tokenizer_fingerprint(tokenizer) == expected_fingerprint:
                 return tokenizer
         from transformers import AutoTokenizer  # imports torch
-        return AutoTokenizer.from_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+    if expected_fingerprint is not None and tokenizer_fingerprint(tokenizer) != expected_fingerprint:
+        raise FailedPrecondition("the tokenizer changed in transfer: its fingerprint is not the one its service "
+                                 "reported")
+    return tokenizer
