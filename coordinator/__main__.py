@@ -6,7 +6,7 @@ import logging
 import sys
 
 from specdec.rpc import telemetry
-from specdec.rpc.flags import add_lifecycle_args, add_tls_server_args, server_tls, setup_logging, start_health
+from specdec.rpc.flags import server_tls, setup_logging, start_health
 from specdec.rpc.errors import SpecdecError
 from specdec.rpc.security import ClientTls, load_token
 from specdec.rpc.serving import catch_stop_signals, run_until_signal
@@ -20,8 +20,6 @@ from coordinator.settings import add_settings
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m coordinator", description="specdec coordinator (public API)")
     add_settings(parser)  # coordinator.settings: one declaration for this, `specdec up` and the chart's check
-    add_tls_server_args(parser)
-    add_lifecycle_args(parser)
     return parser
 
 

@@ -14,7 +14,8 @@ import grpc
 from opentelemetry import trace
 
 from specdec.rpc.errors import TRANSPORT_CODES, RemoteError, public_message
-from specdec.spec.proposer import BatchLoad, Commit, Decoded, Proposal, Proposer, ProposerUnavailable, RejectionOutput
+from specdec.spec.proposer import (MODEL, NGRAM, BatchLoad, Commit, Decoded, Proposal, Proposer, ProposerUnavailable,
+                                   RejectionOutput, runs)
 from specdec.spec.sampling import SamplingConfig
 from specdec.rpc import telemetry
 from specdec.rpc.security import ClientTls
@@ -158,7 +159,8 @@ class DrafterClient(ModelClient):
         reply = self.stub.Propose(request, timeout=timeout)
         probs = draft_probs_from_proto(reply.draft_probs)
         return Proposal((*prefix, *reply.draft_token_ids), (ONE_HOT,) * len(prefix) + probs if probs else (),
-                        tuple(reply.draft_confidences), BatchLoad.from_proto(reply.batch), len(prefix))
+                        tuple(reply.draft_confidences), BatchLoad.from_proto(reply.batch),
+                        runs((NGRAM, len(prefix)), (MODEL, len(reply.draft_token_ids))))
 
 
 class RemoteDraftProposer(Proposer):

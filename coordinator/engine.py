@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from specdec.rpc.errors import Cancelled, DeadlineExceeded
-from specdec.spec.proposer import Commit, Lookup, Proposal, Proposer, ProposerUnavailable, RejectionOutput
+from specdec.spec.proposer import (MODEL, NGRAM, Commit, Lookup, Proposal, Proposer, ProposerUnavailable,
+                                   RejectionOutput)
 from specdec.spec.sampling import SamplingConfig
 from specdec.rpc import telemetry
 
@@ -32,7 +33,7 @@ def fixed_plan(lookup: Lookup, gamma: int, model: bool) -> Plan:
     """A fixed γ's round: γ tokens, a lookup's first when its match is long
     enough (any match, without a model), the model's after them."""
     ngram = min(len(lookup.token_ids), gamma) if lookup.match_length >= (FIXED_MIN_MATCH if model else 1) else 0
-    return Plan(ngram, gamma - ngram if model else 0)
+    return Plan.of(ngram, gamma - ngram if model else 0)
 
 
 @dataclass(frozen=True)
@@ -301,16 +302,19 @@ class SpeculativeEngine:
                 proposer.keep_alive()
                 limit = max(0, request.max_new_tokens - len(g.output.token_ids) - 1)
                 lookup = proposer.lookup(g.context, limit)
-                plan = controller.plan(lookup, limit) if controller else fixed_plan(
-                    lookup, min(request.gamma_max, limit), proposer.drafts_with_model)
+                if controller is not None:
+                    plan = controller.plan(lookup, limit)
+                    controller.begin(plan)
+                else:
+                    plan = fixed_plan(lookup, min(request.gamma_max, limit), proposer.drafts_with_model)
                 # 2. Propose; the previous round's commit rides on the call.
                 proposal, draft_ms, min_confidence = Proposal(()), 0.0, 0.0
                 if plan.drafted > 0:
                     started = time.perf_counter()
-                    if controller is not None and request.confidence_stop and plan.model:
+                    if controller is not None and request.confidence_stop and plan[MODEL]:
                         min_confidence = controller.min_confidence()  # the drafter may stop short of γ
-                    proposal = proposer.propose(plan.model, request.sampling, commit, min_confidence,
-                                                lookup.token_ids[: plan.ngram])
+                    proposal = proposer.propose(plan[MODEL], request.sampling, commit, min_confidence,
+                                                lookup.token_ids[: plan[NGRAM]])
                     draft_ms = (time.perf_counter() - started) * 1e3
                     commit = None
                 # 3. Verify: one target forward pass over the draft, then the rejection sampler.
@@ -345,8 +349,8 @@ class SpeculativeEngine:
                     draft_batch_rows=proposal.batch.mean_rows, draft_batch_calls=proposal.batch.mean_calls,
                     draft_queue_ms=proposal.batch.queue_ms, verify_batch_rows=result.batch.mean_rows,
                     verify_batch_calls=result.batch.mean_calls, verify_queue_ms=result.batch.queue_ms,
-                    ngram_drafted=proposal.ngram_tokens,
-                    ngram_match=lookup.match_length if proposal.ngram_tokens else 0, draft_bytes=result.draft_bytes)
+                    sources=proposal.sources, lookup_match=lookup.match_length if proposal.tokens_from(NGRAM) else 0,
+                    draft_bytes=result.draft_bytes)
                 self._record(record, stats, controller)
                 span.set_attributes(record.span_attributes())
             yield new_tokens

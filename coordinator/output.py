@@ -50,7 +50,6 @@ class OutputAccumulator:
 
     def add(self, new_ids: Sequence[int]) -> Delta:
         assert self.finish_reason is None, "generation already finished"
-        before = len(self.token_ids)
         for token in new_ids:
             if token in self.eos:                   # EOS ends it and is not part of the output
                 self.finish_reason = FinishReason.EOS

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.spec.proposer import MODEL, NGRAM
+from specdec.spec.proposer import MODEL, Runs, judged, runs
 
 
 @dataclass(frozen=True)
@@ -27,29 +27,34 @@ class RoundRecord:
     verify_batch_rows: float = 0.0
     verify_batch_calls: float = 0.0
     verify_queue_ms: float = 0.0
-    # Where the drafts came from: the first `ngram_drafted` from a lookup (free),
-    # whose match was `ngram_match` tokens long; the rest from the draft model.
-    ngram_drafted: int = 0
-    ngram_match: int = 0
+    # Who drafted which, in draft order (e.g. a lookup's tokens, then the model's
+    # after them); empty: the draft model drafted them all. `lookup_match`: how many
+    # context tokens the lookup's match was long.
+    sources: Runs = ()
+    lookup_match: int = 0
     draft_bytes: int = 0        # draft data sent to the verifier: token ids and probabilities
 
-    @property
-    def ngram_accepted(self) -> int:
-        return min(self.accepted, self.ngram_drafted)
-
-    @property
-    def model_drafted(self) -> int:
-        return self.drafted - self.ngram_drafted
-
-    @property
-    def model_accepted(self) -> int:
-        return max(0, self.accepted - self.ngram_drafted)
+    def __post_init__(self):
+        assert not self.sources or sum(n for _, n in self.sources) == self.drafted, (self.sources, self.drafted)
 
     def by_source(self) -> list[tuple[str, int, int]]:
         """(source, drafted, accepted) for each source that drafted, in draft order."""
-        return [(name, drafted, accepted) for name, drafted, accepted in (
-            (NGRAM, self.ngram_drafted, self.ngram_accepted), (MODEL, self.model_drafted, self.model_accepted))
-            if drafted]
+        return judged(self.sources or runs((MODEL, self.drafted)), self.accepted)
+
+    def drafted_by(self, source: str) -> int:
+        return sum(drafted for name, drafted, _ in self.by_source() if name == source)
+
+    def accepted_by(self, source: str) -> int:
+        return sum(accepted for name, _, accepted in self.by_source() if name == source)
+
+    def judged_from(self, source: str) -> bool:
+        """Whether the verifier judged any of `source`'s drafts: every draft before its first was kept."""
+        offset = 0
+        for name, drafted, _ in self.by_source():
+            if name == source:
+                return self.accepted >= offset
+            offset += drafted
+        return False
 
     @property
     def source(self) -> str:
@@ -78,6 +83,6 @@ class RoundRecord:
                 "specdec.verify.batch_calls": self.verify_batch_calls,
                 "specdec.verify.queue_ms": self.verify_queue_ms,
                 "specdec.draft.source": self.source, "specdec.draft_bytes": self.draft_bytes,
-                "specdec.spec.ngram.draft_tokens": self.ngram_drafted, "specdec.spec.ngram.accepted_tokens": self.ngram_accepted,
-                "specdec.spec.ngram.match_length": self.ngram_match,
-                "specdec.model.draft_tokens": self.model_drafted, "specdec.model.accepted_tokens": self.model_accepted}
+                "specdec.lookup.match_length": self.lookup_match,
+                **{f"specdec.draft.{name}.{key}": value for name, drafted, accepted in self.by_source()
+                   for key, value in (("draft_tokens", drafted), ("accepted_tokens", accepted))}}

@@ -1,13 +1,14 @@
-"""The coordinator's settings, declared once: its command line is built from
-this table, `specdec up` derives the flags it hands the coordinator from it
-(`up`), and the chart's test checks that the chart sets what it marks (`chart`)
-and nothing the command line does not know. No torch: the CLI's client side
-reads it too."""
+"""The coordinator's settings, declared once (specdec.rpc.flags.Setting): its
+command line is built from this table, `specdec up` derives the flags it hands
+the coordinator from it (`up`), and the chart's test checks that the chart sets
+what it marks (`chart`) and nothing the command line does not know. No torch:
+the CLI's client side reads it too."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
 
+from specdec.rpc import flags
+from specdec.rpc.flags import Setting, shared
 from specdec.rpc.serving import MAX_PUBLIC_MESSAGE_BYTES
 
 from coordinator.proposers import KINDS
@@ -22,20 +23,6 @@ def parse_gamma(value: str) -> int | None:
     if not value.isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"--gamma takes auto or a positive integer, not {value!r}")
     return int(value)
-
-
-@dataclass(frozen=True)
-class Setting:
-    flag: str
-    options: dict = field(default_factory=dict)  # argparse's: type, default, choices, action, metavar, help
-    group: str = ""          # the help section it is listed in
-    up: bool = False         # `specdec up` takes it and hands it to the coordinator as it is
-    chart: bool = False      # the Helm chart sets it on every coordinator it renders
-    shared: bool = False     # declared by every service's shared flags (specdec.rpc.flags): listed for `up`
-
-    @property
-    def dest(self) -> str:
-        return self.flag.removeprefix("--").replace("-", "_")
 
 
 S = Setting
@@ -92,39 +79,22 @@ SETTINGS: tuple[Setting, ...] = (
     S("--backend-auth-token-file", dict(metavar="PATH", help="... or the token in this file"), group="backends"),
     S("--backend-tls-cert", dict(help="this coordinator's client certificate (mutual TLS)"), group="backends"),
     S("--backend-tls-key", dict(help="... and its key"), group="backends"),
-    # Declared with every service's TLS and lifecycle flags; `specdec up` hands these on too.
-    S("--tls-cert", dict(help="serve TLS with this certificate"), up=True, shared=True),
-    S("--tls-key", dict(help="... and key"), up=True, shared=True),
-    S("--tls-client-ca", dict(help="require client certificates from this CA (mTLS)"), up=True, shared=True),
-    S("--health-port", dict(type=int, help="grpc.health.v1 alone on this port"), up=True, shared=True, chart=True),
-    S("--health-host", dict(help="bind address of --health-port"), shared=True, chart=True),
-    S("--grace-period", dict(type=float, help="on SIGTERM, seconds in-flight calls get to finish"), shared=True,
-      chart=True),
+    # Every service's TLS and lifecycle flags (specdec.rpc.flags.SHARED), marked for the coordinator.
+    shared("--tls-cert", up=True), shared("--tls-key", up=True), shared("--tls-client-ca", up=True),
+    shared("--health-port", up=True, chart=True), shared("--health-host", chart=True),
+    shared("--grace-period", chart=True),
 )
 GROUPS = {"auth": "auth", "backends": "the drafter and verifier (TLS, token)"}
 
 
 def add_settings(parser: argparse.ArgumentParser) -> None:
-    """The coordinator's own flags (the shared ones are added by specdec.rpc.flags)."""
-    groups = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
-    for s in SETTINGS:
-        if not s.shared:
-            (groups[s.group] if s.group else parser).add_argument(s.flag, **s.options)
+    flags.add_settings(parser, SETTINGS, GROUPS)
 
 
 def add_up_settings(parser: argparse.ArgumentParser) -> None:
-    """`specdec up`'s flags that go to the coordinator: each unset unless given."""
-    for s in SETTINGS:
-        if s.up:
-            options = {k: v for k, v in s.options.items() if k in ("type", "choices", "metavar")}
-            parser.add_argument(s.flag, help=f"coordinator: {s.options.get('help', '')}", **options)
+    """`specdec up`'s flags that go to the coordinator, under their own names."""
+    flags.add_up_settings(parser, SETTINGS, "coordinator")
 
 
 def up_passthrough(args: argparse.Namespace) -> tuple[str, ...]:
-    """The coordinator's flags `specdec up` was given, as they go on its command line."""
-    out: list[str] = []
-    for s in SETTINGS:
-        value = getattr(args, s.dest, None) if s.up else None
-        if value is not None:
-            out += [s.flag, str(value)]
-    return tuple(out)
+    return flags.up_passthrough(args, SETTINGS)

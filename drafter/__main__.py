@@ -5,7 +5,8 @@ from specdec.runtime import torch_thread
 
 torch_thread.spin_briefly()  # before torch loads: it shares the cores with the other model service
 
-from specdec.service.cli_common import model_service_parser, run_model_service
+from specdec.service.cli_common import run_model_service
+from specdec.service.settings import model_service_parser
 
 from drafter.service import serve
 

@@ -15,6 +15,9 @@ from google.protobuf import json_format
 
 from coordinator.proposers import KINDS
 from coordinator.settings import add_up_settings, up_passthrough as coordinator_passthrough
+from specdec.runtime.options import FORWARDS
+from specdec.runtime.quant import QUANTIZE
+from specdec.service import settings as model_settings
 from specdec.rpc.errors import SpecdecError
 from specdec.weights.pairs import DEFAULT_PAIR, PAIRS
 from specdec.rpc.security import ClientTls, load_token
@@ -30,7 +33,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         target_quantize=args.target_quantize, forward=args.forward,
         head_vocab=args.head_vocab, device=args.device, host=args.host, port=args.port, gamma=args.gamma,
         gamma_max=args.gamma_max, trace_file=args.trace_file, ready_timeout_s=args.ready_timeout,
-        model_transport=args.model_transport, coordinator_args=coordinator_passthrough(args))
+        model_transport=args.model_transport, coordinator_args=coordinator_passthrough(args),
+        drafter_args=model_settings.up_passthrough(args, "drafter"),
+        verifier_args=model_settings.up_passthrough(args, "verifier"))
 
     def say(message: str, error: bool = False) -> None:
         print(f"specdec up: {message}", file=sys.stderr if error else sys.stdout, flush=True)
@@ -159,11 +164,11 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--pair", default=DEFAULT_PAIR, choices=sorted(PAIRS))
     up.add_argument("--draft-model", help="overrides the pair's draft model")
     up.add_argument("--target-model", help="overrides the pair's target model")
-    up.add_argument("--draft-quantize", choices=["none", "int8", "int4"], help="overrides the pair's setting")
-    up.add_argument("--target-quantize", choices=["none", "int8", "int4"],
+    up.add_argument("--draft-quantize", choices=QUANTIZE, help="overrides the pair's setting")
+    up.add_argument("--target-quantize", choices=QUANTIZE,
                     help="overrides the pair's setting (int4: the GGUF's own Q4_K blocks, CPU)")
     up.add_argument("--head-vocab", type=int, help="overrides the pair's INT8 draft head restriction")
-    up.add_argument("--forward", choices=["lean", "hf"],
+    up.add_argument("--forward", choices=FORWARDS,
                     help="the model services' forward: lean (default; Llama/Qwen2 over a static KV cache) or hf "
                          "(transformers')")
     up.add_argument("--gamma", default="auto", help="auto (adapted per request) or a fixed N")
@@ -175,6 +180,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--device", default="cpu", help="cpu or cuda")
     up.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for each service")
     add_up_settings(up)  # the coordinator's flags marked `up` in coordinator.settings, handed on as given
+    model_settings.add_up_settings(up)  # --drafter-FLAG, --verifier-FLAG: specdec.service.settings
     up.add_argument("--model-transport", choices=["uds", "tcp"], default="uds",
                     help="how the coordinator reaches the drafter and verifier: Unix sockets in a private "
                          "directory (default: only this user can call them), or loopback TCP ports")

@@ -171,6 +171,8 @@ class StackOptions:
     threads: int = 0
     model_transport: str = "uds"  # drafter and verifier on Unix sockets in a private directory, or "tcp" (loopback)
     coordinator_args: tuple[str, ...] = ()  # passed on as they are (auth, TLS, limits)
+    drafter_args: tuple[str, ...] = ()      # ... and to each model service (its limits, threads, KV budget)
+    verifier_args: tuple[str, ...] = ()
 
     @classmethod
     def for_pair(cls, pair: Pair, **overrides) -> "StackOptions":
@@ -230,12 +232,12 @@ class Stack:
         self.children.append(spawn("drafter", "drafter", [
             "--model", options.draft_model, "--dtype", _dtype(options.pair.draft_dtype, options.draft_quantize),
             "--quantize", options.draft_quantize, "--head-vocab", str(options.head_vocab), *self._listen("drafter"),
-            *common], self.env))
+            *common, *options.drafter_args], self.env))
         drafter = wait_serving(self.children[-1], options.ready_timeout_s)
         self.children.append(spawn("verifier", "verifier", [
             "--model", options.target_model, "--dtype", _dtype(options.pair.target_dtype, options.target_quantize),
             "--quantize", options.target_quantize, *self._listen("verifier"),
-            *common], self.env))
+            *common, *options.verifier_args], self.env))
         verifier = wait_serving(self.children[-1], options.ready_timeout_s)
         self.children.append(spawn("coordinator", "coordinator", [
             "--drafter", drafter.address, "--verifier", verifier.address, "--host", options.host,

@@ -70,17 +70,30 @@ class Level:
     tokens_per_s: float = 0.0
     requests_per_s: float = 0.0
     drafted_requests: int = 0              # requests that drafted at least one token
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    verify_batch_rows: float = 0.0         # mean over requests of their verifier calls' rows per forward
-    verify_queue_ms: float = 0.0           # mean over requests of their verifier calls' waits, summed per request
+    # Every numeric GenerationStats field (specdec.v1), summed over the level's requests.
+    stats: dict[str, float] = field(default_factory=dict)
     greedy_outputs: dict[int, list[int]] = field(default_factory=dict)  # prompt index -> token ids (T = 0)
     greedy_same: int = -1                  # of those compared, equal to the first level's for the same prompt
     greedy_compared: int = 0               # greedy prompts the first level has too
 
+    def add(self, stats: pb.GenerationStats) -> None:
+        self.drafted_requests += stats.draft_tokens > 0
+        for descriptor, value in stats.ListFields():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):  # not lists, messages, flags
+                self.stats[descriptor.name] = self.stats.get(descriptor.name, 0) + value
+
+    def total(self, name: str) -> float:
+        assert name in pb.GenerationStats.DESCRIPTOR.fields_by_name, name
+        return self.stats.get(name, 0)
+
+    def mean(self, name: str) -> float:
+        """A GenerationStats field's mean over the level's answered requests."""
+        return self.total(name) / self.ok if self.ok else 0.0
+
     @property
     def acceptance(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+        drafted = self.total("draft_tokens")
+        return self.total("accepted_tokens") / drafted if drafted else 0.0
 
 
 def make_request(i: int, max_new_tokens: int, ignore_eos: bool, system: str = "spec-auto") -> pb.GenerateRequest:
@@ -126,12 +139,7 @@ def run_level(address: str, clients: int, requests: int, args: argparse.Namespac
                 level.output_tokens += len(response.token_ids)
                 if i % 2 == 0:  # greedy (make_request): batching may only change it through roundings
                     level.greedy_outputs.setdefault(i % len(PROMPTS), list(response.token_ids))
-                stats = response.stats
-                level.drafted_requests += stats.draft_tokens > 0
-                level.draft_tokens += stats.draft_tokens
-                level.accepted_tokens += stats.accepted_tokens
-                level.verify_batch_rows += stats.verify_batch_rows
-                level.verify_queue_ms += stats.verify_queue_ms
+                level.add(response.stats)
 
     started = time.perf_counter()
     try:
@@ -149,9 +157,6 @@ def run_level(address: str, clients: int, requests: int, args: argparse.Namespac
     level.latency_max_s = max(latencies, default=0.0)
     level.tokens_per_s = level.output_tokens / level.wall_s
     level.requests_per_s = level.ok / level.wall_s
-    if level.ok:
-        level.verify_batch_rows /= level.ok
-        level.verify_queue_ms /= level.ok
     return level
 
 
@@ -182,7 +187,7 @@ def print_table(levels: list[Level], rss: dict) -> None:
         print(f"| {lv.system} | {lv.clients} | {lv.requests} | {lv.ok} | {lv.refused} | {errors} | "
               f"{lv.latency_p50_s:.3f} | {lv.latency_p99_s:.3f} | {lv.latency_max_s:.3f} | {lv.tokens_per_s:.1f} | "
               f"{ratio} | {lv.requests_per_s:.2f} | {lv.drafted_requests} | {lv.acceptance:.2f} | "
-              f"{lv.verify_batch_rows:.1f} | {lv.verify_queue_ms / 1e3:.2f} | "
+              f"{lv.mean('verify_batch_rows'):.1f} | {lv.mean('verify_queue_ms') / 1e3:.2f} | "
               f"{f'{lv.greedy_same}/{lv.greedy_compared}' if lv.greedy_same >= 0 else '-'} |")
         for example in lv.error_examples:
             print(f"  error: {example}")
@@ -276,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"address": args.address, "pair": None if args.address else args.pair,
               "max_new_tokens": args.max_new_tokens, "fixed_length": not args.stop_at_eos,
-              "levels": [{**asdict(lv), "acceptance": lv.acceptance} for lv in levels], "rss_mib": rss,
+              "levels": [{**asdict(lv), "acceptance": lv.acceptance,
+                          "mean_stats": {name: lv.mean(name) for name in lv.stats}} for lv in levels], "rss_mib": rss,
               "systems": args.system_list,
               "exited_early": dead}
     (args.out / "load.json").write_text(json.dumps(report, indent=2))

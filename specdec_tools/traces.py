@@ -89,9 +89,8 @@ class RoundRow:
     verify_ms: float
     rpc_ms: float
     source: str = ""
-    ngram_drafted: int = 0
-    ngram_accepted: int = 0
     draft_bytes: int = 0
+    by_source: dict[str, tuple[int, int]] = field(default_factory=dict)  # source -> (drafted, accepted)
 
 
 def rounds_of(generate: Span) -> list[RoundRow]:
@@ -103,10 +102,19 @@ def rounds_of(generate: Span) -> list[RoundRow]:
         rows.append(RoundRow(a.get("specdec.round.index", len(rows)), a.get("specdec.gamma", 0),
                              a.get("specdec.draft_tokens", 0), a.get("specdec.accepted_tokens", 0),
                              draft_ms or a.get("specdec.draft_ms", 0.0), verify_ms or a.get("specdec.verify_ms", 0.0),
-                             draft_rpc + verify_rpc, a.get("specdec.draft.source", ""),
-                             a.get("specdec.spec.ngram.draft_tokens", 0), a.get("specdec.spec.ngram.accepted_tokens", 0),
-                             a.get("specdec.draft_bytes", 0)))
+                             draft_rpc + verify_rpc, a.get("specdec.draft.source", ""), a.get("specdec.draft_bytes", 0),
+                             _source_counts(a)))
     return rows
+
+
+def _source_counts(attributes: dict) -> dict[str, tuple[int, int]]:
+    """A round span's specdec.draft.<source>.draft_tokens / .accepted_tokens, by source."""
+    out = {}
+    for key, drafted in attributes.items():
+        if key.startswith("specdec.draft.") and key.endswith(".draft_tokens"):
+            source = key[len("specdec.draft."): -len(".draft_tokens")]
+            out[source] = (drafted, attributes.get(f"specdec.draft.{source}.accepted_tokens", 0))
+    return out
 
 
 def report(generate: Span, out=sys.stdout) -> dict:
@@ -146,12 +154,10 @@ def report(generate: Span, out=sys.stdout) -> dict:
 
 
 def _by_source(rows: list[RoundRow]) -> dict[str, dict]:
-    """Drafted and accepted per source: a round's lookup tokens come first, the model's after them."""
+    """Drafted and accepted per source, over the rounds."""
     out: dict[str, dict] = {}
     for r in rows:
-        ngram_accepted = min(r.ngram_accepted, r.accepted)
-        for source, drafted, accepted in (("ngram", r.ngram_drafted, ngram_accepted),
-                                          ("model", r.drafted - r.ngram_drafted, r.accepted - ngram_accepted)):
+        for source, (drafted, accepted) in r.by_source.items():
             if drafted:
                 counts = out.setdefault(source, dict(rounds=0, drafted=0, accepted=0))
                 counts["rounds"] += 1

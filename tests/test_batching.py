@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specdec.runtime import torch_thread
-from specdec.runtime.batching import RowCost, Scheduler, lean_batch_forward
+from specdec.runtime.batching import Scheduler, lean_batch_forward
+from specdec.runtime.cost_curve import RowCost
 from specdec.rpc.errors import ResourceExhausted
 from specdec.runtime.kv_cache import Forward, SequenceCache
 from specdec.runtime.kv_pool import KVPool

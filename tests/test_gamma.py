@@ -7,9 +7,9 @@ import random
 import pytest
 
 from coordinator.rounds import RoundRecord
-from coordinator.gamma import Acceptance, Calibration, EwLinearFit, GammaController, GammaPriors, Plan, match_bucket, \
+from coordinator.gamma import Acceptance, Calibration, EwLinearFit, GammaController, GammaPriors, match_bucket, \
     regime
-from specdec.spec.proposer import Lookup
+from specdec.spec.proposer import MODEL, NGRAM, Lookup, runs
 from specdec.spec.sampling import SamplingConfig
 
 GAMMA_MAX = 8
@@ -361,7 +361,7 @@ def test_a_round_that_shared_its_forwards_teaches_the_cost_model_nothing():
 
 def lookup_round(ngram: int, accepted: int, match: int, model: int = 0, verify_ms: float = 40.0) -> RoundRecord:
     return RoundRecord(0, ngram + model, ngram + model, accepted, accepted == ngram + model, 0.0, verify_ms,
-                       ngram_drafted=ngram, ngram_match=match)
+                       sources=runs((NGRAM, ngram), (MODEL, model)), lookup_match=match)
 
 
 def test_a_long_lookup_is_drafted_where_the_model_barely_pays():
@@ -369,9 +369,9 @@ def test_a_long_lookup_is_drafted_where_the_model_barely_pays():
     for _ in range(30):  # long matches copy: accepted
         controller.observe(lookup_round(4, 4, match=12))
     plan = controller.plan(Lookup((5, 6, 7, 8, 9), 12), limit=100)
-    assert plan.ngram >= 3 and plan.model == 0, plan
+    assert plan[NGRAM] >= 3 and plan[MODEL] == 0, plan
     # Free drafts are worth more than the model's: a lookup of one match alone is not.
-    assert controller.plan(Lookup((5,), 1), limit=100).ngram == 0
+    assert controller.plan(Lookup((5,), 1), limit=100)[NGRAM] == 0
 
 
 def test_where_rows_are_nearly_free_the_model_drafts_after_a_lookup_in_the_same_round():
@@ -379,16 +379,35 @@ def test_where_rows_are_nearly_free_the_model_drafts_after_a_lookup_in_the_same_
     for _ in range(30):
         controller.observe(lookup_round(2, 2, match=6))
     plan = controller.plan(Lookup((5, 6), 6), limit=100)
-    assert plan.ngram == 2 and plan.model > 0, plan
+    assert plan[NGRAM] == 2 and plan[MODEL] > 0, plan
+    assert plan.sources[0][0] == NGRAM  # the lookup's tokens come first
 
 
 def test_a_lookup_bucket_judged_bad_is_skipped_but_tried_now_and_then():
     controller = controller_on(MEASURED_INT4, draft_ms_per_token=22.0, alpha=0.8)
     for _ in range(40):
         controller.observe(lookup_round(2, 0, match=1))
-    plans = [controller.plan(Lookup((5, 6, 7), 1), limit=100) for _ in range(32)]
-    taken = [p for p in plans if p.ngram]
-    assert len(taken) == 2 and all(p.ngram <= controller.probe_gamma and p.model == 0 for p in taken)
+    plans = []
+    for _ in range(32):
+        plans.append(controller.plan(Lookup((5, 6, 7), 1), limit=100))
+        controller.begin(plans[-1])
+    taken = [p for p in plans if p[NGRAM]]
+    assert len(taken) == 2 and all(p[NGRAM] <= controller.probe_gamma and p[MODEL] == 0 and p.lookup_probe
+                                   for p in taken)
+
+
+def test_planning_decides_only_and_begin_moves_the_exploration_state():
+    controller = controller_on(MEASURED_INT4, draft_ms_per_token=22.0, alpha=0.8)
+    for _ in range(40):
+        controller.observe(lookup_round(2, 0, match=1))
+    controller.gamma, controller.rounds_at_zero = 0, controller.probe_every   # a model probe is due
+    skips = list(controller.lookup_skips)
+    first = controller.plan(Lookup((5, 6, 7), 1), limit=100)
+    assert controller.plan(Lookup((5, 6, 7), 1), limit=100) == first   # the same state, the same plan
+    assert controller.lookup_skips == skips and not controller.probing
+    assert first[MODEL] == controller.probe_gamma and first.probe
+    controller.begin(first)
+    assert controller.probing and controller.lookup_skips[first.lookup_bucket] == skips[first.lookup_bucket] + 1
 
 
 def test_each_source_learns_only_from_the_drafts_it_made_and_the_verifier_judged():
@@ -410,8 +429,8 @@ def test_without_a_model_only_lookups_draft():
     controller = controller_on(BF16_CURVE, draft_ms_per_token=6.0, alpha=0.9)
     controller.without_model()
     assert controller.best() == 0
-    assert controller.plan(Lookup(), limit=100) == Plan(0, 0)
-    assert controller.plan(Lookup((5, 6), 9), limit=100).model == 0
+    assert controller.plan(Lookup(), limit=100).drafted == 0
+    assert controller.plan(Lookup((5, 6), 9), limit=100)[MODEL] == 0
 
 
 def test_with_nothing_drafted_one_token_is_decoded_where_lookups_pay_for_the_call():

@@ -12,7 +12,7 @@ from tests.conftest import wait_for
 from coordinator.clients import DrafterClient, RemoteDraftProposer
 from specdec.spec.hybrid import HybridProposer
 from specdec.spec.ngram import RecentOutputs
-from specdec.spec.proposer import Commit
+from specdec.spec.proposer import MODEL, NGRAM, Commit
 from specdec.spec.sampling import SamplingConfig
 from specdec.v1 import common_pb2
 from specdec.spec.wire import Truncation
@@ -55,16 +55,16 @@ def test_lookup_rounds_skip_the_model_which_then_catches_up_through_its_commit(s
         lookup = hybrid.lookup(PROMPT, 3)
         assert lookup.token_ids == (14, 15, 11) and lookup.match_length == 3
         free = hybrid.propose(0, GREEDY, None, prefix=lookup.token_ids[:2])
-        assert free.token_ids == (14, 15) and free.ngram_tokens == 2 and free.batch.forwards == 0  # no drafter call
+        assert free.token_ids == (14, 15) and free.sources == ((NGRAM, 2),) and free.batch.forwards == 0  # no drafter call
         # The verifier kept 14 and added 99; another lookup round kept nothing and added 98.
         hybrid.propose(0, GREEDY, Commit(1, (99,)), prefix=(5,))
         mixed = hybrid.propose(2, GREEDY, Commit(0, (98,)), prefix=(7,))
         context = PROMPT + [14, 99, 98]
-        assert mixed.ngram_tokens == 1 and mixed.token_ids[:1] == (7,) and mixed.batch.forwards > 0
+        assert mixed.sources == ((NGRAM, 1), (MODEL, 2)) and mixed.token_ids[:1] == (7,) and mixed.batch.forwards > 0
         assert mixed.token_ids[1:] == fresh_greedy_draft(drafter_client, context + [7], 2)
         # The model's own round: one of its drafts kept (the lookup's 7), then the target's 97.
         after = hybrid.propose(3, GREEDY, Commit(1, (97,)))
-        assert after.ngram_tokens == 0
+        assert after.sources == ((MODEL, 3),)
         assert after.token_ids == fresh_greedy_draft(drafter_client, context + [7, 97], 3)
     finally:
         hybrid.end()

@@ -167,7 +167,10 @@ def test_the_codes_and_the_dense_weight_read_back_out_of_the_kernels_packing():
 def test_a_quantization_is_one_module_and_a_registration():
     """The loader and the lean forward know quantizations only through the registry."""
     import torch
-    from specdec.runtime.quant import FUSABLE, QUANTIZATIONS, fuse
+    from specdec.runtime.quant import METHODS, quantizations
+    from specdec.runtime.quant.base import FUSABLE, fuse
+    QUANTIZATIONS = quantizations()
+    assert set(QUANTIZATIONS) == set(METHODS)  # each module registered itself under its name
     from specdec.runtime.quant.int4 import Int4Linear
     assert set(QUANTIZATIONS) == {"int4", "int8"}
     assert QUANTIZATIONS["int4"].needs_gguf and QUANTIZATIONS["int8"].uses_head_vocab

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import drafter.service
 from specdec.rpc.serving import channel, serve_health
 from specdec.v1 import common_pb2, drafter_pb2_grpc
-from specdec.rpc.flags import add_lifecycle_args, start_health
+from specdec.rpc.flags import add_settings, start_health
 from tests.conftest import free_port, rpc_error
 
 
@@ -50,7 +50,7 @@ def test_the_health_port_binds_the_services_host_unless_told_otherwise(tiny_draf
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--uds")
-    add_lifecycle_args(parser)
+    add_settings(parser, ())
     port = free_port()
     args = parser.parse_args([*argv, "--health-port", str(port)])
     running = drafter.service.serve(tiny_draft)

@@ -9,7 +9,7 @@ import pytest
 
 import coordinator.__main__
 from coordinator.settings import SETTINGS
-from specdec.service.cli_common import model_service_parser
+from specdec.service.settings import MODEL_SETTINGS, SERVICES, model_service_parser, up_passthrough as model_passthrough
 from specdec_tools.cli import coordinator_passthrough, parser as cli_parser
 from tests.test_helm import VARIATIONS, by_kind, containers, render
 
@@ -45,11 +45,16 @@ def test_every_container_the_chart_renders_passes_args_its_service_takes(name):
     assert seen == set(PARSERS)
 
 
-def test_the_chart_sets_every_coordinator_setting_it_is_declared_to():
-    (deployment,) = by_kind(render({}), "Deployment")
-    flags = {a.split("=", 1)[0] for a in containers(deployment)["coordinator"]["args"]}
-    missing = [s.flag for s in SETTINGS if s.chart and s.flag not in flags]
-    assert missing == []
+@pytest.mark.parametrize("name", list(VARIATIONS))
+def test_the_chart_sets_every_setting_it_is_declared_to(name):
+    rendered = {}
+    for deployment in by_kind(render(VARIATIONS[name]), "Deployment"):
+        rendered.update(containers(deployment))
+    declared = {"coordinator": SETTINGS, "drafter": MODEL_SETTINGS, "verifier": MODEL_SETTINGS}
+    for container, settings in declared.items():
+        flags = {a.split("=", 1)[0] for a in rendered[container]["args"]}
+        missing = [s.flag for s in settings if s.chart and s.flag not in flags]
+        assert missing == [], container
 
 
 SAMPLES = {int: "7", float: "2.5", None: "value"}
@@ -67,12 +72,33 @@ def test_specdec_up_hands_each_of_its_coordinator_settings_on_as_given(setting):
     assert getattr(coordinator_args, setting.dest) == expected
 
 
+@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize("setting", [s for s in MODEL_SETTINGS if s.up], ids=lambda s: s.flag)
+def test_specdec_up_hands_each_model_service_setting_to_that_service_as_given(setting, service):
+    given = SAMPLES[setting.options.get("type")]
+    args = cli_parser().parse_args(["up", "--pair", "tiny", f"--{service}-{setting.flag[2:]}", given])
+    passed = model_passthrough(args, service)
+    assert passed == (setting.flag, given)
+    other = next(s for s in SERVICES if s != service)
+    assert model_passthrough(args, other) == ()   # the other service is not touched
+    service_args = strict(lambda: model_service_parser(service)).parse_args(["--model", "tiny", *passed])
+    assert getattr(service_args, setting.dest) == (setting.options.get("type") or str)(given)
+
+
 def test_up_passes_nothing_it_was_not_given():
-    assert coordinator_passthrough(cli_parser().parse_args(["up", "--pair", "tiny"])) == ()
+    args = cli_parser().parse_args(["up", "--pair", "tiny"])
+    assert coordinator_passthrough(args) == () and all(model_passthrough(args, s) == () for s in SERVICES)
+
+
+def test_every_service_takes_the_shared_flags_once():
+    from specdec.rpc.flags import SHARED
+    for build in PARSERS.values():
+        options = [o for a in build()._actions for o in a.option_strings]
+        assert all(options.count(flag) == 1 for flag in SHARED)
 
 
 def test_specdec_up_offers_the_quantizations_the_model_services_have():
-    from specdec.runtime.models import QUANTIZE
+    from specdec.runtime.quant import QUANTIZE
     up = next(a for a in cli_parser()._subparsers._group_actions[0].choices["up"]._actions
               if a.dest == "draft_quantize")
     assert set(up.choices) == set(QUANTIZE)

@@ -72,10 +72,11 @@ def test_span_tree_and_attributes(traced):
         assert isinstance(ra["specdec.bonus"], bool) and ra["specdec.gamma"] == drafted
         children = [s for s in spans if s.parent and s.parent.span_id == r.context.span_id]
         # Where the drafts came from: lookups first (free: no drafter call), then the model.
-        ngram, model = ra["specdec.spec.ngram.draft_tokens"], ra["specdec.model.draft_tokens"]
+        ngram, model = ra.get("specdec.draft.ngram.draft_tokens", 0), ra.get("specdec.draft.model.draft_tokens", 0)
         assert ngram + model == drafted and ra["specdec.draft_bytes"] > 0
         assert ra["specdec.draft.source"] == "+".join(n for n, k in (("ngram", ngram), ("model", model)) if k)
-        assert ra["specdec.spec.ngram.accepted_tokens"] + ra["specdec.model.accepted_tokens"] == accepted
+        assert ra.get("specdec.draft.ngram.accepted_tokens", 0) + ra.get("specdec.draft.model.accepted_tokens", 0) \
+            == accepted
         # A round of γ = 0 (the last token of a request, or drafting off) verifies without proposing.
         proposed = ("/specdec.v1.Drafter/Propose",) if model else ()
         assert ra["specdec.gamma"] or r is rounds[-1]  # here, only the last can have nothing to draft

@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from specdec.spec.proposer import Lookup
+from specdec.spec.proposer import MODEL, NGRAM, Lookup, Runs, runs
 from specdec.spec.sampling import SamplingConfig
 
 from coordinator.gamma.acceptance import (MATCH_BUCKETS, Acceptance, Calibration, cumulative, lookup_acceptances,
@@ -20,13 +20,23 @@ from coordinator.rounds import RoundRecord
 
 @dataclass(frozen=True)
 class Plan:
-    """A round's draft: `ngram` lookup tokens first, then `model` tokens drafted after them."""
-    ngram: int = 0
-    model: int = 0
+    """A round's draft by source, in draft order: a lookup's tokens first, then
+    the model's drafted after them; and what exploring it takes (`begin`)."""
+    sources: Runs = ()
+    probe: bool = False                 # the model's tokens probe γ > 0 after rounds at γ = 0
+    lookup_bucket: int | None = None    # the match bucket of the lookup taken or skipped
+    lookup_probe: bool = False          # a bucket judged bad, tried again
+
+    @classmethod
+    def of(cls, ngram: int = 0, model: int = 0, **exploring) -> "Plan":
+        return cls(runs((NGRAM, ngram), (MODEL, model)), **exploring)
+
+    def __getitem__(self, source: str) -> int:
+        return sum(n for name, n in self.sources if name == source)
 
     @property
     def drafted(self) -> int:
-        return self.ngram + self.model
+        return sum(n for _, n in self.sources)
 
 
 @dataclass
@@ -39,7 +49,9 @@ class ControllerState:
 
 
 class GammaController:
-    """Per request: `next_gamma(limit)` before a round, `observe(...)` after it."""
+    """Per request: `plan(...)` decides a round and `begin(plan)` moves the
+    exploration state it takes (or `next_gamma` both, for the model alone);
+    `observe(...)` learns from the round after it."""
 
     def __init__(self, gamma_max: int, state: ControllerState | None = None, *, initial_gamma: int = 4,
                  hysteresis: float = 0.04, probe_every: int = 8, probe_gamma: int = 2, warmup_rounds: int = 2,
@@ -75,14 +87,15 @@ class GammaController:
         return max(range(self.gamma_max + 1 if self.model else 1), key=self.goodput)
 
     def plan(self, lookup: Lookup, limit: int) -> Plan:
-        """This round's draft: the model's γ as `next_gamma` chooses it, unless
+        """This round's draft: the model's γ as the controller holds it, unless
         taking k of the lookup's tokens (then j model tokens after them) is
         expected to give more tokens per second. A lookup token costs its verify
-        row only; it is accepted as its match length's bucket says."""
-        gamma = self.next_gamma(limit)
+        row only; it is accepted as its match length's bucket says. Decides only:
+        the probes it starts are `begin`'s to record."""
+        gamma, probe = self._model_gamma(limit)
         k_max = min(len(lookup.token_ids), limit, self.gamma_max)
         if k_max <= 0:
-            return Plan(0, gamma)
+            return Plan.of(model=gamma, probe=probe)
         bucket = match_bucket(lookup.match_length)
         cost, calls = self.state.cost, self.calls()
         free = cumulative(self.state.lookup[bucket].by_positions(k_max))               # [k_max + 1] P(first i kept)
@@ -94,23 +107,25 @@ class GammaController:
         def goodput(k: int, j: int) -> float:
             tokens = 1 + free_tokens[k] + free[k] * model_tokens[j]
             return tokens / max(draft[j] + verify[k + j], 1e-6)
-        best, value = Plan(0, gamma), goodput(0, min(gamma, len(model) - 1))
-        for k in range(1, k_max + 1):
-            for j in range(min(len(model) - 1, self.gamma_max - k, limit - k) + 1):
-                if goodput(k, j) > value:
-                    best, value = Plan(k, j), goodput(k, j)
-        if best.ngram:
-            self.lookup_skips[bucket] = 0
-        else:
-            # Not expected to pay: try a short one now and then, or a bucket
-            # judged bad once would never be judged again.
-            self.lookup_skips[bucket] += 1
-            if self.lookup_skips[bucket] >= 2 * self.base_probe_every:
-                self.lookup_skips[bucket] = 0
-                best = Plan(min(k_max, self.probe_gamma), 0)
-        if best.model == 0 and self.probing:
-            self.probing = False  # the model's probe waits for a round without a better lookup
-        return best
+        (k, j), value = (0, gamma), goodput(0, min(gamma, len(model) - 1))
+        for lookup_tokens in range(1, k_max + 1):
+            for model_tokens_after in range(min(len(model) - 1, self.gamma_max - lookup_tokens, limit - lookup_tokens) + 1):
+                if goodput(lookup_tokens, model_tokens_after) > value:
+                    (k, j), value = (lookup_tokens, model_tokens_after), goodput(lookup_tokens, model_tokens_after)
+        # A lookup not expected to pay is tried short now and then, or a bucket
+        # judged bad once would never be judged again.
+        lookup_probe = k == 0 and self.lookup_skips[bucket] + 1 >= 2 * self.base_probe_every
+        if lookup_probe:
+            k, j = min(k_max, self.probe_gamma), 0
+        # The model's probe waits for a round without a better lookup.
+        return Plan.of(k, j, probe=probe and j > 0, lookup_bucket=bucket, lookup_probe=lookup_probe)
+
+    def begin(self, plan: Plan) -> None:
+        """The round of `plan` starts: record the probes it makes, and the lookups it skips."""
+        self.probing = plan.probe
+        if plan.lookup_bucket is not None:
+            taken = plan[NGRAM] > 0 or plan.lookup_probe
+            self.lookup_skips[plan.lookup_bucket] = 0 if taken else self.lookup_skips[plan.lookup_bucket] + 1
 
     def prefill_pays(self, prompt_tokens: int, new_tokens: int) -> bool:
         """Whether drafting this request is expected to save more than the
@@ -161,13 +176,19 @@ class GammaController:
         """At γ = 0: target tokens to decode before the next probe round (at least 1)."""
         return max(1, self.probe_every - self.rounds_at_zero)
 
-    def next_gamma(self, limit: int | None = None) -> int:
-        gamma = self.gamma
-        self.probing = False
+    def _model_gamma(self, limit: int | None) -> tuple[int, bool]:
+        """The model's γ for the next round, and whether it is a probe."""
+        gamma, probe = self.gamma, False
         if gamma == 0 and self.rounds_at_zero >= self.probe_every:
-            gamma, self.probing = self.probe_gamma, True
+            gamma, probe = self.probe_gamma, True
         if limit is not None:
             gamma = max(0, min(gamma, limit))
+        return gamma, probe
+
+    def next_gamma(self, limit: int | None = None) -> int:
+        """A round of the model's drafts alone: plan it, begin it, and return its γ."""
+        gamma, probe = self._model_gamma(limit)
+        self.begin(Plan.of(model=gamma, probe=probe and gamma > 0))
         return gamma
 
     def observe(self, round: RoundRecord) -> None:
@@ -176,14 +197,15 @@ class GammaController:
         # What was drafted, not what was asked for: a confidence stop may draft fewer.
         state.cost.observe(round.drafted, round.draft_ms, round.verify_ms / max(round.steps, 1),
                            draft_alone=round.draft_batch_calls <= LOAD_ALONE,
-                           verify_alone=round.verify_batch_calls <= LOAD_ALONE, model_tokens=round.model_drafted)
-        self.lookup_yield += 0.1 * (round.ngram_accepted - self.lookup_yield)
-        if round.ngram_drafted:
-            state.lookup[match_bucket(round.ngram_match)].observe(round.ngram_drafted, round.ngram_accepted)
+                           verify_alone=round.verify_batch_calls <= LOAD_ALONE, model_tokens=round.drafted_by(MODEL))
+        lookup_drafted, lookup_accepted = round.drafted_by(NGRAM), round.accepted_by(NGRAM)
+        self.lookup_yield += 0.1 * (lookup_accepted - self.lookup_yield)
+        if lookup_drafted:
+            state.lookup[match_bucket(round.lookup_match)].observe(lookup_drafted, lookup_accepted)
         # The model's drafts were judged only if every lookup token before them was kept.
-        if round.model_drafted > 0 and round.accepted >= round.ngram_drafted:
-            state.acceptance.observe(round.model_drafted, round.model_accepted)
-            state.calibration.observe(round.confidences, round.model_accepted)
+        if round.judged_from(MODEL):
+            state.acceptance.observe(round.drafted_by(MODEL), round.accepted_by(MODEL))
+            state.calibration.observe(round.confidences, round.accepted_by(MODEL))
         if state.rounds < self.warmup_rounds:
             return
         best = self.best()

@@ -29,7 +29,6 @@ from typing import Callable, TypeVar
 import torch
 
 from specdec.runtime import torch_thread
-from specdec.runtime.cost_curve import RowCost  # noqa: F401 - the scheduler's cost, re-exported
 from specdec.runtime.kv_cache import Forward, Steps, run_steps
 
 T = TypeVar("T")

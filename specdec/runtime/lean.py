@@ -25,7 +25,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # Qwen2's is the same
 
 from specdec.runtime import dense_rows
-from specdec.runtime.quant import fuse
+from specdec.runtime.quant.base import fuse
 from specdec.runtime.kv_pool import KVPool
 
 FAMILIES = ("llama", "qwen2")

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec.runtime.quant import QUANTIZATIONS, QuantizeContext
+from specdec.runtime.options import DTYPES, FORWARDS
+from specdec.runtime.quant import QUANTIZE, quantizations
+from specdec.runtime.quant.base import QuantizeContext
 
 from specdec.runtime import lean, model_cache, torch_thread
 
@@ -24,7 +26,8 @@ from specdec.weights.tokenizer_fingerprint import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+assert tuple(TORCH_DTYPES) == DTYPES
 
 
 
@@ -101,8 +104,6 @@ def _cache_root(name: str, source: pathlib.Path | None) -> pathlib.Path | None:
     return registry.home() / "converted-local" / digest
 
 
-QUANTIZE = ("none", *QUANTIZATIONS)  # specdec.runtime.quant: each registers itself
-FORWARDS = ("lean", "hf")
 
 
 def gguf_source(name: str) -> pathlib.Path | None:
@@ -117,10 +118,10 @@ def gguf_source(name: str) -> pathlib.Path | None:
 
 def _quantized(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device,
                quantize: str, head_vocab: int) -> PreTrainedModel:
-    if quantize not in QUANTIZATIONS:  # "none"
+    if quantize not in quantizations():  # "none"
         return model
     special = [*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder, *_eos_ids(model, tokenizer)]
-    return QUANTIZATIONS[quantize].apply(model, QuantizeContext(name, device, head_vocab, special, gguf_source(name)))
+    return quantizations()[quantize].apply(model, QuantizeContext(name, device, head_vocab, special, gguf_source(name)))
 
 
 @torch_thread.runs_on_it  # see specdec.runtime.torch_thread: the process's torch work stays on one thread
@@ -134,7 +135,7 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
         raise InvalidArgument(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
     torch_device = torch.device(device)
     source = _source(name)  # pulls a registry model first, so its GGUF is there for int4
-    quantization = QUANTIZATIONS.get(quantize)  # None: "none"
+    quantization = quantizations().get(quantize)  # None: "none"
     if quantization is not None and quantization.needs_gguf and gguf_source(name) is None:
         raise InvalidArgument(f"--quantize int4 builds its weights from a GGUF's Q4_K blocks; {name!r} has no "
                               "GGUF source (give a .gguf file or a registry name)")
@@ -145,7 +146,7 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
     entry = model_cache.entry_dir(root, settings) if root else None
     model = model_cache.load(entry) if entry else None
     if model is None:
-        model = _quantized(name, _load_weights(name, source, DTYPES[dtype]).to(torch_device).eval(), tokenizer,
+        model = _quantized(name, _load_weights(name, source, TORCH_DTYPES[dtype]).to(torch_device).eval(), tokenizer,
                            torch_device, quantize, head_vocab)
         if entry:
             try:

@@ -10,7 +10,8 @@ from typing import Callable, Generic, Iterator, Protocol, TypeVar
 import psutil
 
 from specdec.runtime import torch_thread
-from specdec.runtime.batching import CallStats, RowCost, Scheduler, lean_batch_forward
+from specdec.runtime.batching import CallStats, Scheduler, lean_batch_forward
+from specdec.runtime.cost_curve import RowCost
 from specdec.rpc.errors import InvalidArgument
 from specdec.runtime.cost_curve import CostCurve, pinned_curve
 from specdec.spec.limits import MAX_PROPOSE_TOKENS, validate_token_ids

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from specdec.spec.ngram import MAX_MATCH, NgramIndex, RecentOutputs
-from specdec.spec.proposer import Commit, Lookup, Proposal, Proposer
+from specdec.spec.proposer import NGRAM, Commit, Lookup, Proposal, Proposer, runs
 from specdec.spec.sampling import SamplingConfig
 from specdec.spec.wire import ONE_HOT
 
@@ -85,7 +85,7 @@ class HybridProposer(Proposer):
         self._model_commit, self._model_drafted_last = model_commit, False
         # A lookup's draft is deterministic: one-hot proposals, no probabilities to send.
         return Proposal(tuple(prefix), () if sampling.greedy else (ONE_HOT,) * len(prefix),
-                        ngram_tokens=len(prefix))
+                        sources=runs((NGRAM, len(prefix))))
 
     def end(self) -> None:
         if self.recent is not None:

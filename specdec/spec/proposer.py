@@ -15,7 +15,26 @@ from typing import Sequence
 from specdec.spec.sampling import SamplingConfig
 from specdec.spec.wire import DraftProbs
 
-MODEL, NGRAM = "model", "ngram"  # the draft sources
+MODEL, NGRAM = "model", "ngram"  # the draft sources this package has: the draft model, n-gram lookups
+
+# A draft by source: (source name, tokens) runs in draft order, e.g. a lookup's
+# tokens and then the model's after them. Every count per source is keyed so.
+Runs = tuple[tuple[str, int], ...]
+
+
+def runs(*pairs: tuple[str, int]) -> Runs:
+    """The (source, tokens) pairs that drafted anything, in order."""
+    return tuple((source, n) for source, n in pairs if n > 0)
+
+
+def judged(draft: Runs, accepted: int) -> list[tuple[str, int, int]]:
+    """(source, drafted, accepted) per run: the rejection sampler keeps a prefix,
+    so a run is accepted up to where the first rejection fell."""
+    out, offset = [], 0
+    for source, n in draft:
+        out.append((source, n, max(0, min(n, accepted - offset))))
+        offset += n
+    return out
 
 
 class ProposerUnavailable(Exception):
@@ -65,13 +84,15 @@ class Proposal:
     # [n] when temperature > 0: the exact distribution each token was sampled
     # from, as it travels (sparse, dense, or one-hot for a lookup's; specdec.spec.wire).
     draft_probs: tuple[DraftProbs, ...] = ()
-    confidences: tuple[float, ...] = ()        # [n - ngram_tokens] the model's, when it drafted
+    confidences: tuple[float, ...] = ()        # the model's, one per token it drafted
     batch: BatchLoad = BatchLoad()             # a model proposer's service: its batching
-    ngram_tokens: int = 0                      # the first this many came from a lookup (free)
+    sources: Runs = ()                         # who drafted which: runs summing to n
 
-    @property
-    def model_tokens(self) -> int:
-        return len(self.token_ids) - self.ngram_tokens
+    def __post_init__(self):
+        assert sum(n for _, n in self.sources) == len(self.token_ids), (self.sources, len(self.token_ids))
+
+    def tokens_from(self, source: str) -> int:
+        return sum(n for name, n in self.sources if name == source)
 
 
 @dataclass(frozen=True)

@@ -1,61 +1,20 @@
-"""Quantized layers behind one interface. A quantization is one module in this
-package plus its `register(...)`: the loader applies it by name without knowing
-what it does, and the lean forward fuses layers (q/k/v, gate/up) through `fuse`
-without knowing their kind."""
+"""Quantized layers behind one interface (specdec.runtime.quant.base). A
+quantization is one module in this package that calls `base.register(...)`,
+and its name in METHODS: the loader applies it by name without knowing what it
+does, and the lean forward fuses layers (q/k/v, gate/up) through `base.fuse`
+without knowing their kind. The names need no torch, so command lines (and
+`specdec up`) offer them from a process that never loads a model."""
 from __future__ import annotations
 
-import pathlib
-from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+import importlib
 
-import torch
-from torch import nn
+METHODS = ("int4", "int8")       # --quantize NAME: the module specdec.runtime.quant.NAME
+QUANTIZE = ("none", *METHODS)    # what --quantize accepts
 
 
-@dataclass(frozen=True)
-class QuantizeContext:
-    """What a quantization may need besides the model."""
-    name: str                          # the model's name (registry name or path)
-    device: torch.device
-    head_vocab: int = 0                # a draft head cut to the N most frequent ids (0: the whole vocabulary)
-    special_ids: Sequence[int] = ()    # ids a cut head always keeps (special, added, EOS)
-    gguf: pathlib.Path | None = None   # the GGUF file the weights came from, if any
-
-
-@dataclass(frozen=True)
-class Quantization:
-    name: str                                                    # --quantize NAME
-    apply: Callable[[nn.Module, QuantizeContext], nn.Module]     # the model, quantized (in place or anew)
-    dtype_label: Callable[[str], str]                            # the loaded dtype as Info reports it
-    needs_gguf: bool = False                                     # built from the GGUF's own blocks
-    uses_head_vocab: bool = False                                # --head-vocab means something to it
-
-
-class Fusable(Protocol):
-    """A Linear kind that computes several of its own side by side as one layer."""
-    @classmethod
-    def concatenable(cls, layers: Sequence[nn.Module]) -> bool: ...
-    @classmethod
-    def concat(cls, layers: Sequence[nn.Module]) -> nn.Module: ...
-
-
-QUANTIZATIONS: dict[str, Quantization] = {}
-FUSABLE: list[type] = []
-
-
-def register(quantization: Quantization, fusable: Sequence[type] = ()) -> Quantization:
-    QUANTIZATIONS[quantization.name] = quantization
-    FUSABLE.extend(fusable)
-    return quantization
-
-
-def fuse(layers: Sequence[nn.Module]) -> nn.Module | None:
-    """One layer computing `layers` side by side, where their kind can; else None."""
-    for kind in FUSABLE:
-        if kind.concatenable(layers):
-            return kind.concat(layers)
-    return None
-
-
-# The quantizations, each registering itself.
-from specdec.runtime.quant import int4, int8  # noqa: E402,F401
+def quantizations() -> dict:
+    """name -> base.Quantization, every module of METHODS imported (and so registered)."""
+    for name in METHODS:
+        importlib.import_module(f"{__name__}.{name}")
+    from specdec.runtime.quant.base import QUANTIZATIONS
+    return QUANTIZATIONS

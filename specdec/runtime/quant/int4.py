@@ -23,7 +23,7 @@ from torch import nn
 import logging
 
 from specdec.runtime import dense_rows
-from specdec.runtime.quant import Quantization, QuantizeContext, register
+from specdec.runtime.quant.base import Quantization, QuantizeContext, register
 
 GROUP = 32
 INNER_K_TILES = 2  # the packing layout the CPU kernel expects with this group size

@@ -32,7 +32,7 @@ from torch import nn
 
 from specdec.runtime import dense_rows
 from specdec.rpc.errors import FailedPrecondition
-from specdec.runtime.quant import Quantization, register
+from specdec.runtime.quant.base import Quantization, register
 
 @functools.cache
 def _reduce_range() -> bool:

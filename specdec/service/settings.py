@@ -1,0 +1,86 @@
+"""The model services' settings, declared once (specdec.rpc.flags.Setting):
+`python -m drafter` and `python -m verifier` build their command lines from
+this table, `specdec up` offers each setting marked `up` as --drafter-FLAG and
+--verifier-FLAG and hands it to that service, and the chart's test checks that
+the chart sets what is marked `chart`. No torch: `specdec up` reads it too."""
+from __future__ import annotations
+
+import argparse
+
+from specdec.rpc import flags
+from specdec.rpc.flags import Setting, shared
+from specdec.runtime.cost_curve import CostCurve
+from specdec.runtime.options import DTYPES, FORWARDS
+from specdec.runtime.quant import QUANTIZE
+
+SERVICES = ("drafter", "verifier")
+
+S = Setting
+MODEL_SETTINGS: tuple[Setting, ...] = (
+    S("--model", dict(required=True, help="HF model directory, .gguf file, or registry name"), chart=True),
+    S("--host", dict(default="127.0.0.1", help="bind address (default: loopback, sidecar mode)")),
+    S("--port", dict(type=int, default=0, help="0 picks a free port")),
+    S("--uds", dict(metavar="PATH", help="serve on this Unix domain socket instead of HOST:PORT (sidecar mode): only "
+                                         "who can enter its directory (made 0700 if missing) can call the service")),
+    S("--dtype", dict(default="fp32", choices=DTYPES), chart=True),
+    S("--device", dict(default="cpu", help="cpu or cuda"), chart=True),
+    S("--quantize", dict(default="none", choices=QUANTIZE,
+                         help="int8: specdec's INT8 (the drafter's default in pairs); int4: the GGUF's own Q4_K "
+                              "blocks on torch's int4 kernel (CPU), tensors stored at higher precision in int8. "
+                              "Converted once and kept in the model cache"), chart=True),
+    S("--forward", dict(default="lean", choices=FORWARDS,
+                        help="lean: specdec's forward for Llama/Qwen2 over a static KV cache (others fall back to "
+                             "transformers'); hf: transformers' forward")),
+    S("--head-vocab", dict(type=int, default=0,
+                           help="with --quantize int8: restrict the LM head to the N lowest (most frequent) ids plus "
+                                "special tokens (0 = whole vocabulary); lossless, it only changes what is proposed")),
+    S("--session-ttl", dict(type=float, default=600.0, help="seconds before an idle session is reaped"),
+      up=True, chart=True),
+    S("--max-sessions", dict(type=int, default=256, help="sessions held at once; beyond it, RESOURCE_EXHAUSTED"),
+      up=True, chart=True),
+    S("--trace-file", dict(help="also write spans as OTLP-JSON lines to this file (tracing is off unless this or "
+                                "OTEL_EXPORTER_OTLP_ENDPOINT is set)")),
+    S("--threads", dict(type=int, default=0, help="torch CPU threads (0 = torch's default)"), up=True, chart=True),
+    S("--cost-curve-rows", dict(type=int, default=17,
+                                help="at warm-up, time one forward over 1..N new rows and publish the curve in Info, "
+                                     "for the coordinator's choice of γ (0 = do not measure)"), up=True),
+    S("--cost-curve", dict(type=CostCurve.parse, metavar="MS,MS,...[:PREFILL_MS]",
+                           help="publish this cost curve (ms of one forward over 1, 2, ... rows; the prefill's ms per "
+                                "token) instead of timing one at warm-up; default: $SPECDEC_DRAFTER_COST_CURVE or "
+                                "$SPECDEC_VERIFIER_COST_CURVE where set")),
+    S("--kv-cache-mb", dict(type=float, default=0.0,
+                            help="KV cache budget of all sessions together; growth past it is refused with "
+                                 "RESOURCE_EXHAUSTED (0 = 40%% of the memory available at start)"), up=True, chart=True),
+    S("--prefill-chunk", dict(type=int, default=256,
+                              help="prompt tokens per prefill forward: a long prompt holds up other sessions' rounds "
+                                   "by one chunk at a time"), up=True),
+    S("--max-batch-rows", dict(type=int, default=512,
+                               help="most rows in one batched forward (within it, the cost curve sizes each batch)"),
+      up=True),
+    S("--auth-token-env", dict(metavar="VAR",
+                               help="require 'authorization: Bearer <token>' (the coordinator's "
+                                    "--backend-auth-token-*) on every call but health checks, the token read from "
+                                    "this environment variable; off loopback the service refuses to start without "
+                                    "this or mutual TLS"), group="auth"),
+    S("--auth-token-file", dict(metavar="PATH", help="... or from this file"), group="auth"),
+    shared("--tls-cert"), shared("--tls-key"), shared("--tls-client-ca"),
+    shared("--health-port", chart=True), shared("--health-host", chart=True), shared("--grace-period", chart=True),
+)
+
+
+def model_service_parser(name: str) -> argparse.ArgumentParser:
+    """`python -m drafter` or `python -m verifier`'s command line."""
+    parser = argparse.ArgumentParser(prog=f"python -m {name}", description=f"specdec {name} service")
+    flags.add_settings(parser, MODEL_SETTINGS)
+    return parser
+
+
+def add_up_settings(parser: argparse.ArgumentParser) -> None:
+    """`specdec up`'s --drafter-FLAG and --verifier-FLAG, each unset unless given."""
+    for service in SERVICES:
+        flags.add_up_settings(parser, MODEL_SETTINGS, service, prefix=f"{service}-")
+
+
+def up_passthrough(args: argparse.Namespace, service: str) -> tuple[str, ...]:
+    """The flags `specdec up` was given for `service`, as they go on its command line."""
+    return flags.up_passthrough(args, MODEL_SETTINGS, prefix=f"{service}-")
