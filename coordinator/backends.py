@@ -36,6 +36,7 @@ class TokenizerMismatch(FailedPrecondition):
 @dataclass(frozen=True)
 class WatchSettings:
     interval_s: float = 1.0        # between checks while up
+    info_every: int = 30           # every this many checks while up, Info read again (its cost curve moves)
     timeout_s: float = 2.0         # a check slower than this counts as down
     min_backoff_s: float = 0.1     # between checks while down, doubling ...
     max_backoff_s: float = 5.0     # ... up to this
@@ -56,6 +57,8 @@ class BackendWatch:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._listeners: list[Callable[[bool], None]] = []
+        self._info_listeners: list[Callable[[object], None]] = []
+        self._checks = 0
         self._thread = threading.Thread(target=self._loop, name=f"watch-{name}", daemon=True)
 
     @property
@@ -64,6 +67,22 @@ class BackendWatch:
 
     def on_change(self, listener: Callable[[bool], None]) -> None:
         self._listeners.append(listener)
+
+    def on_info(self, listener: Callable[[object], None]) -> None:
+        """`listener(ModelInfo)` each time the watcher reads Info again while the backend is up."""
+        self._info_listeners.append(listener)
+
+    def _read_info(self) -> None:
+        try:
+            info = self.client.info(timeout=self.settings.timeout_s)
+        except (SpecdecError, grpc.RpcError) as exc:  # the health check decides up or down, not this
+            log.debug("%s: Info failed: %s", self.name, exc)
+            return
+        for listener in self._info_listeners:
+            try:
+                listener(info)
+            except Exception:
+                log.exception("an Info listener of the %s failed", self.name)
 
     def start(self) -> None:
         self._thread.start()
@@ -118,6 +137,9 @@ class BackendWatch:
         while not self._stop.is_set():
             if self.check_once():
                 backoff, delay = self.settings.min_backoff_s, self.settings.interval_s
+                self._checks += 1
+                if self._info_listeners and self._checks % self.settings.info_every == 0:
+                    self._read_info()
             else:
                 delay, backoff = backoff, min(backoff * 2, self.settings.max_backoff_s)
             self._wake.wait(delay)

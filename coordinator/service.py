@@ -122,6 +122,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._recent_lock = threading.Lock()
         self._in_flight = 0  # Generate calls admitted and not yet finished
         self._idle = threading.Condition()
+        # The services keep their curves current from their forwards: plans follow them.
+        priors = self.engine.gamma_priors
+        backends.verifier_watch.on_info(lambda info: priors.follow(verify_ms=list(info.forward_ms)))
+        if backends.drafter_watch is not None:
+            backends.drafter_watch.on_info(lambda info: priors.follow(
+                draft_ms=list(info.forward_ms), draft_prefill_ms_per_token=info.prefill_ms_per_token))
         for name, watch in (("verifier", backends.verifier_watch), ("drafter", backends.drafter_watch)):
             if watch is not None:
                 gauge = self.metrics.backend_up.labels(name)

@@ -33,7 +33,8 @@ from specdec.weights.pairs import PAIRS
 from specdec.spec.proposer import Commit
 from specdec.spec.sampling import SamplingConfig
 from specdec.spec.transform import scores_to_probs, transform_logits
-from specdec_tools.bench import DEFAULT_QUESTIONS, chat_ids, load_questions
+from specdec_tools.bench.data import DEFAULT_QUESTIONS, load_questions
+from specdec_tools.bench.systems import chat_ids
 from specdec.spec.wire import Truncation, draft_probs_to_proto
 from specdec.spec.draft_probs import dense_for_wire, draft_probs_tensor, truncate_for_wire
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Served weights against the fp32 de-quantized GGUF, side by side in one run:
-forward time for 1, 4 and 5 rows after a 200-token prefix (the forward the
+forward time for 1, 4 and 5 rows (--rows) after a 200-token prefix (the forward the
 services run), and teacher-forced quality (top-1 agreement and mean KL against
 fp32) on Spec-Bench dev prompts, each followed by the fp32 model's own greedy
 continuation. Prints a table and writes JSON.
@@ -52,8 +52,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--configs", default="bf16:none,bf16:int4",
                         help="dtype:quantize pairs to compare with fp32 (comma-separated)")
+    parser.add_argument("--rows", default="1,4,5", help="forward rows to time (comma-separated)")
     parser.add_argument("--out", default="quant_check.json")
     args = parser.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
     torch_thread.set_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the int4 conversion's report
     reference = load_model(args.model, dtype="fp32")
@@ -82,15 +84,15 @@ def main() -> int:
                                                    reduction="sum"))
             n += mine.shape[0]
         results[name] = {"top1_agreement_vs_fp32": agree / n, "mean_kl_vs_fp32": kl / n,
-                         **{f"forward_ms_{r}_rows": forward_ms(loaded, prefix, r) for r in (1, 4, 5)}}
+                         **{f"forward_ms_{r}_rows": forward_ms(loaded, prefix, r) for r in rows}}
         if loaded is not reference:
             del loaded
     print(f"{args.model}, {args.threads} threads, 200-token prefix; quality teacher-forced on {args.prompts} dev "
           f"prompts x {args.new} tokens")
-    print(f"{'weights':10s} {'1 row':>9s} {'4 rows':>9s} {'5 rows':>9s} {'top-1 vs fp32':>14s} {'KL vs fp32':>11s}")
+    print(f"{'weights':10s} " + " ".join(f"{f'{r} rows':>9s}" for r in rows) + f" {'top-1 vs fp32':>14s} {'KL vs fp32':>11s}")
     for name, r in results.items():
-        print(f"{name:10s} {r['forward_ms_1_rows']:6.1f} ms {r['forward_ms_4_rows']:6.1f} ms "
-              f"{r['forward_ms_5_rows']:6.1f} ms {r['top1_agreement_vs_fp32']:14.3f} {r['mean_kl_vs_fp32']:11.4f}")
+        print(f"{name:10s} " + " ".join(f"{r[f'forward_ms_{n}_rows']:6.1f} ms" for n in rows)
+              + f" {r['top1_agreement_vs_fp32']:14.3f} {r['mean_kl_vs_fp32']:11.4f}")
     pathlib.Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")
     return 0

@@ -141,3 +141,10 @@ def test_each_system_is_held_to_the_greedy_output_of_its_own_stack():
     assert rows["spec-auto"]["speedup_vs_target_only"] == 2.0
     assert rows["spec-auto"]["speedup_vs_target_only_bf16"] == 4.0
     assert rows["llama-cpp"]["speedup_vs_target_only"] == 4.0
+
+
+def test_the_default_questions_are_the_dev_half_beside_the_checkout():
+    import pathlib
+    from specdec_tools.bench.data import DEFAULT_QUESTIONS
+    root = pathlib.Path(__file__).resolve().parent.parent
+    assert DEFAULT_QUESTIONS.resolve() == (root.parent / "shared/data/spec_bench/questions_dev.jsonl").resolve()

@@ -15,6 +15,7 @@ import pytest
 from coordinator import clients
 from coordinator.clients import DrafterClient, RemoteDraftProposer, VerifierClient
 from specdec.rpc.errors import RemoteError
+from specdec.runtime.cost_curve import CostCurve
 from specdec.spec.proposer import MODEL, NGRAM, Commit, Proposal, ProposerUnavailable
 from specdec.spec.sampling import SamplingConfig
 from specdec.spec.wire import ONE_HOT, DraftProbs, Truncation
@@ -237,3 +238,23 @@ def test_keep_alive_renews_an_idle_session_and_reports_one_the_drafter_lost(scri
     down.ready()
     with pytest.raises(ProposerUnavailable, match="health checks"):
         down.keep_alive()
+
+
+def test_the_watch_reads_info_again_while_the_backend_is_up(tiny_target):
+    """A model service's curve follows its forwards: the coordinator's watch hands
+    each newer Info to its listeners (the γ priors)."""
+    import verifier.service
+    from coordinator.backends import BackendWatch, WatchSettings
+    running = verifier.service.serve(tiny_target, cost_curve=CostCurve.parse("5,6,7:1"))
+    client = VerifierClient(f"127.0.0.1:{running.port}")
+    watch = BackendWatch("verifier", client, lambda: None, WatchSettings(interval_s=0.01, info_every=3))
+    seen = []
+    watch.on_info(seen.append)
+    watch.start()
+    try:
+        assert eventually(lambda: len(seen) >= 2)
+        assert list(seen[0].forward_ms) == [5.0, 6.0, 7.0] and watch.up
+    finally:
+        watch.stop()
+        client.close()
+        running.stop(0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.runtime.cost_curve import COST_CURVE_ENV, CostCurve, RowCost, pinned_curve
+from specdec.runtime.cost_curve import COST_CURVE_ENV, CostCurve, LiveCurve, RowCost, pinned_curve
 
 
 def test_between_measured_rows_the_cost_is_interpolated():
@@ -42,3 +42,32 @@ def test_the_environment_pins_each_services_curve(monkeypatch):
     assert pinned_curve("specdec.v1.Drafter") == CostCurve([5.0, 6.0], 0.5)
     assert pinned_curve("specdec.v1.Verifier") is None
     assert pinned_curve("specdec.v1.Coordinator") is None
+
+
+def test_a_live_curve_follows_the_forwards_by_their_median_and_moves_what_it_has_not_seen():
+    # Warm-up beside a busy neighbour: every forward read four times its cost.
+    live = LiveCurve(CostCurve([80.0, 84.0, 88.0, 92.0], 8.0), window=16, min_samples=5)
+    assert live.current() == CostCurve([80.0, 84.0, 88.0, 92.0], 8.0)   # nothing served yet
+    for ms in (20.0, 21.0, 19.0, 20.0, 20.0, 400.0):                      # one outlier among quiet 1-row forwards
+        live.observe(1, ms)
+    for ms in (22.0, 22.0, 21.0, 22.0, 23.0):
+        live.observe(2, ms)
+    curve = live.current()
+    assert curve.forward_ms[:2] == [20.0, 22.0]                  # medians: the outlier does not move them
+    scale = ((20.0 / 80.0) + (22.0 / 84.0)) / 2                 # rows 3 and 4 unseen: moved as the others moved
+    assert curve.forward_ms[2:] == pytest.approx([88.0 * scale, 92.0 * scale], abs=1e-3)
+    assert curve.prefill_ms_per_token == pytest.approx(8.0 * scale, abs=1e-3)
+    for _ in range(5):
+        live.observe(64, 64 * 2.0)      # prefill chunks: ms per row is the prefill's per token
+    live.observe(6, 1e6)                # a batch just past the curve is neither
+    assert live.current().prefill_ms_per_token == 2.0 and live.current().forward_ms[:2] == [20.0, 22.0]
+
+
+def test_a_live_curve_forgets_what_the_window_has_passed():
+    live = LiveCurve(CostCurve([20.0], 2.0), window=8, min_samples=3)
+    for _ in range(8):
+        live.observe(1, 80.0)           # a neighbour came
+    assert live.current().forward_ms == [80.0]
+    for _ in range(5):
+        live.observe(1, 20.0)           # and went: the median follows within half a window
+    assert live.current().forward_ms == [20.0]

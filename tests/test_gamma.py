@@ -447,3 +447,25 @@ def test_with_nothing_drafted_one_token_is_decoded_where_lookups_pay_for_the_cal
         controller.observe(lookup_round(2, 1, match=6, verify_ms=MEASURED_INT4[2] + 4.0))
     controller.rounds_at_zero = 0
     assert controller.decode_steps(16, looks_up=True) == 1
+
+
+def test_plans_follow_the_curves_the_services_publish_again():
+    priors = GammaPriors(cost=CostModel.from_curves([80.0], [160.0, 164.0, 168.0], 8.0))  # a busy warm-up
+    running = priors.start(SamplingConfig())
+    priors.follow(draft_ms=[20.0], verify_ms=[40.0, 41.0, 42.0], draft_prefill_ms_per_token=2.0)
+    fresh = priors.start(SamplingConfig())
+    assert fresh.cost.verify_ms(0) == pytest.approx(40.0) and fresh.cost.draft(1) == pytest.approx(22.0 * 1.0, rel=0.1)
+    assert fresh.cost.draft_prefill == 2.0
+    # A request that started before, ending now, does not put the old curve back.
+    priors.finish(SamplingConfig(), running)
+    assert priors.start(SamplingConfig()).cost.verify_ms(1) == pytest.approx(41.0)
+    # What rounds measured stays: a row count seen keeps its own estimate.
+    cost = CostModel.from_curves([20.0], [40.0, 42.0])
+    cost.observe(1, 20.0, 47.0)   # γ = 1: 2 rows, 47 ms measured
+    cost.follow(verify_ms=[30.0, 31.0])
+    assert cost.verify_ms(1) == pytest.approx(47.0) and cost.verify_curve.measured == [30.0, 31.0]
+    # Pinned (frozen) costs never move: tests and policy comparisons plan on what they were given.
+    frozen = CostModel.from_curves([20.0], [40.0, 42.0])
+    frozen.frozen = True
+    frozen.follow(draft_ms=[5.0], verify_ms=[10.0, 11.0])
+    assert frozen.verify_ms(0) == 40.0 and frozen.draft_curve.measured == [20.0]

@@ -99,3 +99,22 @@ def test_head_vocab_restricts_what_the_draft_can_propose():
         probs = torch.softmax(quantized.model(ids).logits[0], -1)
     outside = [i for i in range(probs.shape[-1]) if i not in set(head.keep_ids.tolist())]
     assert probs[:, outside].sum().item() == 0.0
+
+
+def test_a_ranked_head_keeps_the_most_frequent_ids_then_the_lowest(monkeypatch, tmp_path):
+    from specdec.weights import vocab_rank
+    ranked = vocab_rank.rank({7: 5, 3: 5, 40: 2}, {9: 4, 7: 1})
+    assert ranked == [7, 3, 40, 9]   # by output count, then prompt count (7 is in a prompt), then id
+    assert vocab_rank.head_ids(50, 3, always=[49], ranking=ranked) == [3, 7, 40, 49]
+    # A ranking that runs out goes on by id; ids past the vocabulary are never kept.
+    assert vocab_rank.head_ids(50, 6, always=[], ranking=[44, 99, 2]) == [0, 1, 2, 3, 4, 44]
+    # Through the loader: the tokenizer's ranking is found by its fingerprint and cuts the head.
+    monkeypatch.setattr(vocab_rank, "DIR", tmp_path)
+    plain = load_model("tiny-draft", quantize="int8", head_vocab=10)
+    favourite = list(range(400, 410))
+    vocab_rank.save(plain.fingerprint, favourite)
+    ranked_model = load_model("tiny-draft", quantize="int8", head_vocab=10)
+    kept = set(ranked_model.model.get_output_embeddings().keep_ids.tolist())
+    tok = ranked_model.tokenizer
+    special = {*tok.all_special_ids, *tok.added_tokens_decoder, *ranked_model.eos_token_ids}
+    assert set(favourite) <= kept and kept - set(favourite) <= special and set(plain.model.get_output_embeddings().keep_ids.tolist()) != kept

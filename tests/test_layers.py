@@ -104,3 +104,17 @@ print("torch" in sys.modules)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.stdout.split() == ["False"], result.stderr[-3000:]
+
+
+def test_every_measurement_script_imports():
+    """The scripts sit on top of everything: a move in the layers must not break them unnoticed."""
+    import importlib.util
+    for path in sorted((ROOT / "scripts").glob("*.py")):
+        spec = importlib.util.spec_from_file_location(f"scripts_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(path.parent))
+        try:
+            spec.loader.exec_module(module)   # defines main(); runs nothing under __main__
+        finally:
+            sys.path.remove(str(path.parent))
+        assert hasattr(module, "main"), path.name

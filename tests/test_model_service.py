@@ -162,8 +162,20 @@ def test_a_model_service_publishes_its_cost_curve_in_info(tiny_target, monkeypat
     try:
         with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
             info = verifier_pb2_grpc.VerifierStub(ch).Info(common_pb2.InfoRequest())
-        assert len(info.forward_ms) == 5 and all(ms > 0 for ms in info.forward_ms)
-        assert info.prefill_ms_per_token > 0
+            assert len(info.forward_ms) == 5 and all(ms > 0 for ms in info.forward_ms)
+            assert info.prefill_ms_per_token > 0
+            # Served forwards keep it current: 1-row decode steps give row 1 its cost, and the rows
+            # not served move with it (one scale for all), so a busy warm-up does not govern for good.
+            stub = verifier_pb2_grpc.VerifierStub(ch)
+            stub.StartSession(common_pb2.StartSessionRequest(session_id="live", prompt_token_ids=list(range(3, 9))))
+            for _ in range(2):
+                stub.Decode(verifier_pb2.DecodeRequest(session_id="live", num_tokens=8,
+                                                       sampling=common_pb2.SamplingParams()))
+            live = stub.Info(common_pb2.InfoRequest())
+        scale = live.forward_ms[0] / info.forward_ms[0]
+        assert [ms / was for ms, was in zip(live.forward_ms[1:], info.forward_ms[1:])] == pytest.approx([scale] * 4,
+                                                                                                      rel=1e-2)
+        assert live.prefill_ms_per_token / info.prefill_ms_per_token == pytest.approx(scale, rel=1e-2)
     finally:
         running.stop(0)
 
@@ -180,7 +192,12 @@ def test_a_pinned_cost_curve_is_published_instead_of_a_measured_one(tiny_target,
     running = verifier.service.serve(tiny_target, cost_curve_rows=5)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
-            info = verifier_pb2_grpc.VerifierStub(ch).Info(common_pb2.InfoRequest())
+            stub = verifier_pb2_grpc.VerifierStub(ch)
+            stub.StartSession(common_pb2.StartSessionRequest(session_id="pinned", prompt_token_ids=[3, 4, 5]))
+            stub.Decode(verifier_pb2.DecodeRequest(session_id="pinned", num_tokens=8,
+                                                   sampling=common_pb2.SamplingParams()))
+            info = stub.Info(common_pb2.InfoRequest())
+        # Pinned stays pinned, however the forwards went: the policy tests plan on it.
         assert list(info.forward_ms) == [20.0, 21.5, 23.0] and info.prefill_ms_per_token == 2.5
     finally:
         running.stop(0)

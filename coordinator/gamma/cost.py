@@ -61,6 +61,15 @@ class RowCurve:
         self.seen = [0] * len(self.measured)
         self.offset, self.offset_count, self.rate = 0.0, 0, rate
 
+    def rebase(self, measured: Sequence[float]) -> None:
+        """A newer published curve: the base of every row count not seen in rounds."""
+        seen = {i: self.estimate[i] for i in range(len(self.seen)) if self.seen[i]}
+        counts = list(self.seen)
+        self.measured = [float(ms) for ms in measured]
+        self.forward_ms = RowCost(self.measured)
+        self.estimate = [seen.get(i, ms) for i, ms in enumerate(self.measured)]
+        self.seen = [counts[i] if i < len(counts) else 0 for i in range(len(self.measured))]
+
     def observe(self, rows: int, ms: float) -> None:
         i = rows - 1
         if not 0 <= i < len(self.measured):
@@ -106,6 +115,25 @@ class CostModel:
         if verify_ms:
             model.verify_curve = RowCurve(verify_ms)
         return model
+
+    def follow(self, draft_ms: Sequence[float] | None = None, verify_ms: Sequence[float] | None = None,
+               draft_prefill_ms_per_token: float | None = None) -> None:
+        """The services published their curves again (they follow their forwards):
+        plan on them where rounds have not taught better. A row count's own
+        estimate from measured rounds stays; what it was not seen at moves."""
+        if self.frozen:
+            return
+        if verify_ms:
+            if self.verify_curve is None:
+                self.verify_curve = RowCurve(verify_ms)
+            else:
+                self.verify_curve.rebase(verify_ms)
+        if draft_ms:
+            self.draft_curve = RowCurve(draft_ms)
+            if self.draft.sw == 0:  # no measured draft round yet: the line starts from the curve
+                self.draft = EwLinearFit(default=(1.0, float(draft_ms[0]) * 1.1), a_over_b=0.05)
+        if draft_prefill_ms_per_token and not self.draft_prefills_seen:
+            self.draft_prefill = float(draft_prefill_ms_per_token)
 
     def observe_draft_prefill(self, tokens: int, ms: float, rate: float = 0.2) -> None:
         if tokens <= 0 or self.frozen:

@@ -253,6 +253,14 @@ class GammaPriors:
         self.lookup: dict[str, list[Acceptance]] = {}
         self.cost = cost or CostModel()
         self.rounds = 0
+        self.curves: dict[str, object] = {}   # the services' latest published curves (follow)
+
+    def follow(self, **curves) -> None:
+        """The services' newest curves (CostModel.follow's arguments): new requests
+        plan on them, and a request that ends does not put an older one back."""
+        with self.lock:
+            self.curves.update({k: v for k, v in curves.items() if v})
+            self.cost.follow(**curves)
 
     def start(self, sampling: SamplingConfig) -> ControllerState:
         with self.lock:
@@ -280,6 +288,7 @@ class GammaPriors:
                 for prior, new in zip(self.lookup[key], state.lookup):
                     _blend_acceptance(prior, new, self.blend)
             self.cost = copy.deepcopy(state.cost)  # timings are shared by every regime
+            self.cost.follow(**self.curves)
             self.rounds = max(self.rounds, state.rounds)
 
 

@@ -66,12 +66,12 @@ class Scheduler:
 
     def __init__(self, batch_forward: Callable[[list[Forward]], list[torch.Tensor]] | None = None,
                  max_rows: int = 256, cost: Callable[[int], float] | None = None,
-                 on_forward: Callable[[int, int], None] = lambda rows, calls: None):
+                 on_forward: Callable[[int, int, float], None] = lambda rows, calls, ms: None):
         # batch_forward(forwards) -> their logits, one forward; None: each forward alone.
         self.batch_forward = batch_forward
         self.max_rows = max_rows
         self.cost = cost                  # ms by rows; None: take every pending forward
-        self.on_forward = on_forward      # (rows, calls) after each forward: metrics
+        self.on_forward = on_forward      # (rows, calls, ms) after each forward: the live cost curve, metrics
         self._lock = threading.Lock()
         self._incoming: list[_Call] = []
         self._active: list[_Call] = []    # torch thread only
@@ -172,24 +172,25 @@ class Scheduler:
                 # that fails leaves every cache as it was (LeanForward.batch).
                 outputs = None
             if outputs is not None:
-                self._forwarded(rows, len(ready))
+                self._forwarded(rows, len(ready), started)
                 for call, logits in zip(ready, outputs):
                     self._advance(call, lambda c, out=logits: c.steps.send(out))
                 return
         for call in ready:
+            alone = time.perf_counter()
             try:
                 logits = call.pending.run()
             except BaseException as exc:
                 self._advance(call, lambda c, e=exc: c.steps.throw(e))
                 continue
-            self._forwarded(len(call.pending.feed), 1)
+            self._forwarded(len(call.pending.feed), 1, alone)
             self._advance(call, lambda c, out=logits: c.steps.send(out))
 
-    def _forwarded(self, rows: int, calls: int) -> None:
+    def _forwarded(self, rows: int, calls: int, started: float) -> None:
         self.forwards += 1
         self.forward_rows += rows
         try:
-            self.on_forward(rows, calls)
+            self.on_forward(rows, calls, (time.perf_counter() - started) * 1e3)
         except Exception:  # metrics must never fail a call
             log.exception("the scheduler's on_forward hook failed")
 

@@ -1,11 +1,15 @@
-"""A model service's cost curve: what it publishes (measured at warm-up, or
-pinned), and reading it as ms of one forward over any number of rows. Shared by
+"""A model service's cost curve: what it publishes (measured at warm-up and kept
+current from its forwards, or pinned), and reading it as ms of one forward over
+any number of rows. Shared by
 the batching scheduler (how many rows to run at once) and the coordinator's γ
 controller (what a share of a batched forward costs); no torch, so the
 coordinator can use it."""
 from __future__ import annotations
 
 import os
+import statistics
+import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -57,6 +61,46 @@ class CostCurve:
         if not forward or per_token < 0 or any(not ms > 0 for ms in forward):
             raise ValueError(f"a cost curve is 'MS,MS,...[:PREFILL_MS]' with positive ms, got {text!r}")
         return cls(forward, per_token)
+
+
+class LiveCurve:
+    """A measured curve kept current from the forwards the service runs: a curve
+    timed once at warm-up would govern the service for its whole life, though a
+    neighbour that was busy then (or has come since) moves every forward's cost.
+
+    Each row count's recent forwards (a window) give its cost, by their median:
+    a few forwards slowed by a neighbour or a page fault do not move it. A row
+    count with too few recent forwards takes its warm-up cost scaled as the
+    others have moved (the median of their ratios), so a machine that got busier
+    or quieter moves the whole curve. Forwards past the curve's rows are prefill
+    chunks: their ms per row is the prefill's per token."""
+
+    def __init__(self, measured: CostCurve, window: int = 32, min_samples: int = 5):
+        self.measured = measured
+        self.min_samples = min_samples
+        self._rows = [deque(maxlen=window) for _ in measured.forward_ms]
+        self._prefill: deque = deque(maxlen=window)
+        self._lock = threading.Lock()
+        self.observed = 0
+
+    def observe(self, rows: int, ms: float) -> None:
+        if rows < 1 or not ms > 0:
+            return
+        with self._lock:
+            self.observed += 1
+            if rows <= len(self._rows):
+                self._rows[rows - 1].append(ms)
+            elif rows >= 2 * len(self._rows):   # a prefill chunk, not a batch just past the curve
+                self._prefill.append(ms / rows)
+
+    def current(self) -> CostCurve:
+        with self._lock:
+            medians = [statistics.median(w) if len(w) >= self.min_samples else None for w in self._rows]
+            prefill = statistics.median(self._prefill) if len(self._prefill) >= self.min_samples else None
+        ratios = [m / w for m, w in zip(medians, self.measured.forward_ms) if m is not None and w > 0]
+        scale = statistics.median(ratios) if ratios else 1.0
+        forward = [m if m is not None else w * scale for m, w in zip(medians, self.measured.forward_ms)]
+        return CostCurve(forward, prefill if prefill is not None else self.measured.prefill_ms_per_token * scale)
 
 
 # A pinned curve for each service, read where no --cost-curve is given: set for a

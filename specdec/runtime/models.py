@@ -20,7 +20,7 @@ from specdec.runtime.quant.base import QuantizeContext
 
 from specdec.runtime import lean, model_cache, torch_thread
 
-from specdec.weights import registry, tiny
+from specdec.weights import registry, tiny, vocab_rank
 from specdec.rpc.errors import FailedPrecondition, InvalidArgument
 from specdec.weights.tokenizer_fingerprint import tokenizer_fingerprint
 
@@ -117,11 +117,12 @@ def gguf_source(name: str) -> pathlib.Path | None:
 
 
 def _quantized(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device,
-               quantize: str, head_vocab: int) -> PreTrainedModel:
+               quantize: str, head_vocab: int, ranking) -> PreTrainedModel:
     if quantize not in quantizations():  # "none"
         return model
     special = [*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder, *_eos_ids(model, tokenizer)]
-    return quantizations()[quantize].apply(model, QuantizeContext(name, device, head_vocab, special, gguf_source(name)))
+    return quantizations()[quantize].apply(model, QuantizeContext(name, device, head_vocab, ranking, special,
+                                                                  gguf_source(name)))
 
 
 @torch_thread.runs_on_it  # see specdec.runtime.torch_thread: the process's torch work stays on one thread
@@ -141,13 +142,18 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
                               "GGUF source (give a .gguf file or a registry name)")
     tokenizer = _load_tokenizer(name, source)
     uses_head_vocab = quantization is not None and quantization.uses_head_vocab
-    settings = dict(quantize=quantize, dtype=dtype, head_vocab=head_vocab if uses_head_vocab else 0)
+    head_vocab = head_vocab if uses_head_vocab else 0
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    ranking = vocab_rank.load(fingerprint) if head_vocab else None   # the head's ids, most frequent first
+    settings = dict(quantize=quantize, dtype=dtype, head_vocab=head_vocab)
+    if head_vocab:
+        settings["head_ranking"] = vocab_rank.digest(ranking)
     root = _cache_root(name, source) if quantization is not None and torch_device.type == "cpu" else None
     entry = model_cache.entry_dir(root, settings) if root else None
     model = model_cache.load(entry) if entry else None
     if model is None:
         model = _quantized(name, _load_weights(name, source, TORCH_DTYPES[dtype]).to(torch_device).eval(), tokenizer,
-                           torch_device, quantize, head_vocab)
+                           torch_device, quantize, head_vocab, ranking)
         if entry:
             try:
                 model_cache.save(model, entry, settings)
@@ -171,7 +177,7 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
         name=name, model=model, tokenizer=tokenizer, dtype=dtype, device=torch_device, quantization=quantize,
         vocab_size=vocab_size, model_vocab_size=model_vocab,
         max_context=int(getattr(model.config, "max_position_embeddings", 2048)),
-        eos_token_ids=_eos_ids(model, tokenizer), fingerprint=tokenizer_fingerprint(tokenizer), lean=lean_forward)
+        eos_token_ids=_eos_ids(model, tokenizer), fingerprint=fingerprint, lean=lean_forward)
     log.info("loaded %s (%s, %s, quantize=%s, head_vocab=%s, vocab %d/%d, %s forward)", name, dtype, device,
              quantize, head_vocab or "all", vocab_size, model_vocab, "lean" if lean_forward else "transformers'")
     return loaded

@@ -9,11 +9,10 @@ from typing import Callable, Generic, Iterator, Protocol, TypeVar
 
 import psutil
 
-from specdec.runtime import torch_thread
+from specdec.runtime import kernels, torch_thread
 from specdec.runtime.batching import CallStats, Scheduler, lean_batch_forward
-from specdec.runtime.cost_curve import RowCost
 from specdec.rpc.errors import InvalidArgument
-from specdec.runtime.cost_curve import CostCurve, pinned_curve
+from specdec.runtime.cost_curve import CostCurve, LiveCurve, RowCost, pinned_curve
 from specdec.spec.limits import MAX_PROPOSE_TOKENS, validate_token_ids
 from specdec.runtime.kv_cache import PREFILL_CHUNK, SequenceCache, Steps
 from specdec.runtime.kv_pool import KVPool
@@ -37,6 +36,7 @@ S = TypeVar("S", bound=Transactional)
 T = TypeVar("T")
 MAX_BATCH_ROWS = 512
 KV_SHARE_OF_AVAILABLE = 0.4  # --kv-cache-mb 0: this share of the memory available at start
+LIVE_REFRESH = 64  # forwards between re-sizings of the scheduler's batches on the live curve
 
 
 class ModelServiceBase(Generic[S]):
@@ -49,7 +49,8 @@ class ModelServiceBase(Generic[S]):
         self.sessions = store
         self._new_session = new_session  # (loaded, prompt, pool, prefill=False) -> S
         self._tokenizer_files: dict[str, bytes] | None = None
-        self.curve = CostCurve([], 0.0)  # measured at warm-up
+        self.curve = CostCurve([], 0.0)      # measured at warm-up (or pinned)
+        self.live: LiveCurve | None = None   # the measured curve, kept current from the forwards served
         self.pool = pool
         self.scheduler = scheduler or new_scheduler(loaded)
         self.prefill_chunk = prefill_chunk
@@ -60,18 +61,33 @@ class ModelServiceBase(Generic[S]):
         result, stats = self.scheduler.run(steps)
         return result, batch_stats(stats, self.scheduler.pending_calls + 1)
 
+    def current_curve(self) -> CostCurve:
+        return self.live.current() if self.live is not None else self.curve
+
+    def follow_forwards(self, refresh_every: int = LIVE_REFRESH) -> None:
+        """Keep the curve current from the scheduler's forwards, and size its batches on it."""
+        self.live = LiveCurve(self.curve)
+        scheduler = self.scheduler
+
+        def observed(rows: int, calls: int, ms: float) -> None:
+            self.live.observe(rows, ms)
+            if self.live.observed % refresh_every == 0:
+                scheduler.cost = RowCost(self.live.current().forward_ms)
+        scheduler.on_forward = observed
+
     def Info(self, request, context) -> common_pb2.ModelInfo:
-        m = self.loaded
+        m, curve = self.loaded, self.current_curve()
         return common_pb2.ModelInfo(
             model=m.name, dtype=m.dtype, device=str(m.device), quantization=m.quantization,
             vocab_size=m.vocab_size, model_vocab_size=m.model_vocab_size, max_context=m.max_context,
             eos_token_ids=list(m.eos_token_ids), tokenizer_fingerprint=m.fingerprint,
             active_sessions=len(self.sessions), max_propose_tokens=MAX_PROPOSE_TOKENS,
-            forward_ms=self.curve.forward_ms, prefill_ms_per_token=self.curve.prefill_ms_per_token,
+            forward_ms=curve.forward_ms, prefill_ms_per_token=curve.prefill_ms_per_token,
             forwards=self.scheduler.forwards, forward_rows=self.scheduler.forward_rows,
             pending_calls=self.scheduler.pending_calls,
             kv_tokens_used=self.pool.used_tokens if self.pool else 0,
-            kv_tokens_budget=self.pool.budget_tokens if self.pool else 0, session_ttl_s=self.sessions.ttl_s)
+            kv_tokens_budget=self.pool.budget_tokens if self.pool else 0, session_ttl_s=self.sessions.ttl_s,
+            kernel_choices=kernels.choices())
 
     def GetTokenizer(self, request, context) -> common_pb2.TokenizerFiles:
         if self._tokenizer_files is None:
@@ -221,8 +237,12 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
     log.info("%s: forward ms by rows (1..%d): %s; prefill %.2f ms a token%s", service_name,
              len(servicer.curve.forward_ms), ", ".join(f"{ms:.1f}" for ms in servicer.curve.forward_ms),
              servicer.curve.prefill_ms_per_token, " (pinned, not measured)" if pinned else "")
+    if choices := kernels.choices():
+        log.info("%s: kernels chosen by timing: %s", service_name, "; ".join(choices))
     if servicer.curve.forward_ms:  # batches sized on the measured curve
         scheduler.cost = RowCost(servicer.curve.forward_ms)
+        if not pinned:  # a pinned curve stays as given (tests, policy comparisons)
+            servicer.follow_forwards()
     if pool is not None:
         log.info("%s: KV cache pool of %d tokens (%.0f MiB); batches of up to %d rows, prefill chunks of %d",
                  service_name, pool.budget_tokens, pool.budget_tokens * pool.token_bytes / 2**20, max_batch_rows,

@@ -21,7 +21,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "dtype", "device", "quantization", "vocab_size", "model_vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "active_sessions", "max_propose_tokens", "forward_ms", "prefill_ms_per_token", "forwards", "forward_rows", "pending_calls", "kv_tokens_used", "kv_tokens_budget", "session_ttl_s")
+    __slots__ = ("model", "dtype", "device", "quantization", "vocab_size", "model_vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "active_sessions", "max_propose_tokens", "forward_ms", "prefill_ms_per_token", "forwards", "forward_rows", "pending_calls", "kv_tokens_used", "kv_tokens_budget", "session_ttl_s", "kernel_choices")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class ModelInfo(_message.Message):
     KV_TOKENS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_BUDGET_FIELD_NUMBER: _ClassVar[int]
     SESSION_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_CHOICES_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -60,7 +61,8 @@ class ModelInfo(_message.Message):
     kv_tokens_used: int
     kv_tokens_budget: int
     session_ttl_s: float
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., vocab_size: _Optional[int] = ..., model_vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_propose_tokens: _Optional[int] = ..., forward_ms: _Optional[_Iterable[float]] = ..., prefill_ms_per_token: _Optional[float] = ..., forwards: _Optional[int] = ..., forward_rows: _Optional[int] = ..., pending_calls: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_budget: _Optional[int] = ..., session_ttl_s: _Optional[float] = ...) -> None: ...
+    kernel_choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., vocab_size: _Optional[int] = ..., model_vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_propose_tokens: _Optional[int] = ..., forward_ms: _Optional[_Iterable[float]] = ..., prefill_ms_per_token: _Optional[float] = ..., forwards: _Optional[int] = ..., forward_rows: _Optional[int] = ..., pending_calls: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_budget: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., kernel_choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchStats(_message.Message):
     __slots__ = ("forwards", "rows", "max_rows", "queue_ms", "pending_calls", "calls")

@@ -11,7 +11,7 @@ from google.protobuf import json_format
 from specdec.v1 import coordinator_pb2
 
 
-DEFAULT_QUESTIONS = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "spec_bench" / \
+DEFAULT_QUESTIONS = pathlib.Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "spec_bench" / \
     "questions_dev.jsonl"
 TARGET_ONLY, HF_GENERATE, HF_ASSISTED, AUTO = "target-only", "hf-generate", "hf-assisted", "spec-auto"
 BF16 = "-bf16"

@@ -16,6 +16,7 @@ class QuantizeContext:
     name: str                          # the model's name (registry name or path)
     device: torch.device
     head_vocab: int = 0                # a draft head cut to the N most frequent ids (0: the whole vocabulary)
+    vocab_ranking: object = None       # [n] ids, most frequent first (specdec.weights.vocab_rank); None: by id
     special_ids: Sequence[int] = ()    # ids a cut head always keeps (special, added, EOS)
     gguf: pathlib.Path | None = None   # the GGUF file the weights came from, if any
 

@@ -13,7 +13,8 @@ but cost it agreement with the target (0.77 against 0.93 in bf16). So:
   migration (alpha 0.5 and 0.8) did not recover it;
 * gate and up projections run as one GEMM;
 * the LM head, a large share of a small model's cost (151,936 x 896 for Qwen
-  0.5B), may be restricted to the `head_vocab` lowest ids plus the special
+  0.5B), may be restricted to the `head_vocab` most frequent ids (by the
+  tokenizer's ranking, specdec.weights.vocab_rank; by id without one) plus the special
   tokens. Byte-level BPE assigns ids in merge order, so low ids are the
   frequent tokens. The other ids get probability zero, which stays lossless:
   the drafter samples from, and sends, exactly this restricted distribution,
@@ -30,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.runtime import dense_rows
+from specdec.runtime import dense_rows, kernels
+from specdec.weights import vocab_rank
 from specdec.rpc.errors import FailedPrecondition
 from specdec.runtime.quant.base import Quantization, register
 
@@ -89,12 +91,48 @@ class Int8Linear(nn.Module):
         out = F.linear(flat.bfloat16(), weight).float()
         return out if bias is None else out + bias
 
+    def _accelerated(self) -> list[tuple[kernels.Backend, object]]:
+        """The accelerated kernels for this layer's codes (specdec.runtime.kernels),
+        prepared on its first call: none where no backend installs."""
+        accel = self.__dict__.get("_accel")
+        if accel is None:
+            accel = []
+            backends = kernels.usable("int8-channel")
+            if backends:
+                qweight, bias = torch.ops.quantized.linear_unpack(self._packed)
+                codes, scales = qweight.int_repr(), qweight.q_per_channel_scales().float()
+                without_bias = (lambda x: torch.ops.quantized.linear_dynamic(x, self._packed, _reduce_range())
+                                - (bias if bias is not None else 0))
+                for backend in backends:
+                    state = kernels.checked(backend, codes, scales, without_bias)
+                    if state is not None:
+                        accel.append((backend, state))
+                self._bias = bias
+            self._accel = accel
+        return accel
+
+    def __getstate__(self):
+        # Saved in the model cache: the accelerated kernels' weights are this machine's, made again on load.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_accel", "_bias")}
+
+    def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
+        fbgemm = lambda: torch.ops.quantized.linear_dynamic(flat, self._packed, _reduce_range())  # noqa: E731
+        accel = self._accelerated()
+        if not accel:
+            return fbgemm()
+        bias = self._bias
+
+        def run(backend, state):
+            out = backend.run(state, flat)
+            return out if bias is None else out + bias
+        return kernels.pick(("int8-dynamic", self.out_features, self.in_features), flat.shape[0],
+                            {"fbgemm-int8": fbgemm, **{b.name: (lambda b=b, s=s: run(b, s)) for b, s in accel}})
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features], in x's dtype
         flat = x.reshape(-1, self.in_features).float()
         out = dense_rows.run(("int8-dynamic", self.out_features, self.in_features), flat.shape[0],
-                             lambda: torch.ops.quantized.linear_dynamic(flat, self._packed, _reduce_range()),
-                             lambda: self._dense(flat))
+                             lambda: self._kernel(flat), lambda: self._dense(flat))
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -186,14 +224,14 @@ class Int8RestrictedHead(nn.Module):
         return f"{self.keep_ids.numel()} of {self.vocab_size} ids, int8 per-channel"
 
 
-def head_keep_ids(vocab_size: int, head_vocab: int, always: list[int]) -> torch.Tensor:
-    """The lowest `head_vocab` ids plus `always` (special and EOS ids), sorted."""
-    ids = set(range(min(head_vocab, vocab_size))) | {i for i in always if 0 <= i < vocab_size}
-    return torch.tensor(sorted(ids), dtype=torch.long)
+def head_keep_ids(vocab_size: int, head_vocab: int, always: list[int], ranking=None) -> torch.Tensor:
+    """The `head_vocab` most frequent ids by `ranking` (by id where there is none)
+    plus `always` (special and EOS ids), sorted."""
+    return torch.tensor(vocab_rank.head_ids(vocab_size, head_vocab, always, ranking), dtype=torch.long)
 
 
 def quantize_model(model: nn.Module, device: torch.device, *, head_vocab: int = 0,
-                   special_ids: list[int] | None = None) -> nn.Module:
+                   special_ids: list[int] | None = None, ranking=None) -> nn.Module:
     """Quantize every nn.Linear of `model` in place to INT8; returns it (fp32 elsewhere).
 
     head_vocab > 0 also restricts the LM head to that many ids (plus special_ids).
@@ -215,7 +253,7 @@ def quantize_model(model: nn.Module, device: torch.device, *, head_vocab: int = 
     if head is not None:
         weight = head.weight.detach()
         if 0 < head_vocab < weight.shape[0]:
-            keep = head_keep_ids(weight.shape[0], head_vocab, special_ids or [])
+            keep = head_keep_ids(weight.shape[0], head_vocab, special_ids or [], ranking)
             new_head = Int8RestrictedHead(weight, keep, weight.shape[0])
         else:
             new_head = Int8Linear(weight, getattr(head, "bias", None))
@@ -236,5 +274,5 @@ def _quantize_cuda(model: nn.Module) -> nn.Module:
 
 register(Quantization(
     "int8", lambda model, ctx: quantize_model(model, ctx.device, head_vocab=ctx.head_vocab,
-                                              special_ids=list(ctx.special_ids)),
+                                              special_ids=list(ctx.special_ids), ranking=ctx.vocab_ranking),
     lambda dtype: "fp32+int8", uses_head_vocab=True))

@@ -1,0 +1,152 @@
+#!/usr/bin/env python
+"""A draft head cut to the N most frequent ids (`--head-vocab N`, ranked by
+scripts/vocab_rank.py) against its cost: for each N, the draft step's ms (the
+INT8 draft loaded with that head, the forward the drafter runs, 1 and 4 rows
+after a prefix), and on Spec-Bench dev prompts the ranking did not read, with
+the target's own greedy answers teacher-forced: the expected acceptance
+sum(min(target, draft)) at T=0.7 (the draft renormalized over its kept ids, as
+the drafter samples and sends it) and greedy agreement (the draft's top id is
+the target's). Also the same N cut by id, the ranking's baseline. Prints a
+table and writes JSON.
+
+  python scripts/draft_head.py --pair qwen-coder --sizes 8192,16384,32768,65536,0 --per-task 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+from specdec.runtime import torch_thread
+from specdec.runtime.kv_cache import SequenceCache, drive
+from specdec.runtime.models import load_model
+from specdec.spec.sampling import SamplingConfig
+from specdec.spec.transform import scores_to_probs, transform_logits
+from specdec.weights import vocab_rank
+from specdec.weights.pairs import PAIRS
+from specdec_tools.bench.data import DEFAULT_QUESTIONS, load_questions
+from specdec_tools.bench.systems import chat_ids
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from vocab_rank import greedy  # noqa: E402
+
+SAMPLED = SamplingConfig(temperature=0.7)
+
+
+@torch_thread.runs_on_it
+def teacher_forced_logits(loaded, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    seq = SequenceCache(loaded, prompt)
+    seq.prefill()
+    return drive(seq.step(continuation[:-1], keep_last=len(continuation)))[:, : loaded.vocab_size]
+
+
+def probs(logits: torch.Tensor, prompt: list[int], continuation: list[int], vocab: int) -> torch.Tensor:
+    return scores_to_probs(transform_logits(logits, prompt[:-1], continuation, SAMPLED, vocab))
+
+
+@torch_thread.runs_on_it
+def step_ms(loaded, prefix: list[int], rows: int, repeats: int = 8) -> float:
+    times = []
+    for _ in range(repeats):
+        seq = SequenceCache(loaded, prefix)
+        seq.prefill()
+        seq.forward([], keep_last=1)
+        started = time.perf_counter()
+        seq.forward(prefix[1:rows + 1], keep_last=rows)
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="qwen-coder", choices=sorted(PAIRS))
+    parser.add_argument("--questions", type=pathlib.Path, default=DEFAULT_QUESTIONS)
+    parser.add_argument("--sizes", default="8192,16384,32768,65536,0", help="head sizes (0: the whole vocabulary)")
+    parser.add_argument("--per-task", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--skip-ranked", type=pathlib.Path, default=pathlib.Path("vocab_rank_questions.json"),
+                        help="questions the ranking read (vocab_rank.py's list): left out here")
+    parser.add_argument("--max-prompt-tokens", type=int, default=1200)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("draft_head.json"))
+    args = parser.parse_args()
+    torch_thread.set_threads(args.threads)
+    pair = PAIRS[args.pair]
+    say = lambda message: print(f"draft_head: {message}", file=sys.stderr, flush=True)  # noqa: E731
+    target = torch_thread.run(load_model, pair.target, dtype=pair.target_dtype, quantize=pair.target_quantize)
+    draft = torch_thread.run(load_model, pair.draft, dtype=pair.draft_dtype, quantize=pair.draft_quantize)
+    ranking = vocab_rank.load(target.fingerprint)
+    if ranking is None:
+        say(f"no ranking for this tokenizer in {vocab_rank.DIR}: run scripts/vocab_rank.py first")
+        return 1
+    ranked_on = set(json.loads(args.skip_ranked.read_text())) if args.skip_ranked.is_file() else set()
+    questions = [q for q in load_questions(args.questions, None, None, args.per_task) if q.question_id not in ranked_on]
+    vocab = target.vocab_size
+    special = {*target.tokenizer.all_special_ids, *target.tokenizer.added_tokens_decoder, *target.eos_token_ids}
+    sizes = [int(s) for s in args.sizes.split(",")]
+    cuts = {}
+    for n in sizes:
+        for how, rank in (("frequency", ranking), ("id", None)):
+            if n and (how == "frequency" or n < vocab):
+                cuts[(n, how)] = torch.tensor(vocab_rank.head_ids(vocab, n, special, rank))
+    cuts[(0, "all")] = torch.arange(vocab)
+    accepted = {key: [] for key in cuts}
+    agreed = {key: [] for key in cuts}
+    for question in questions:
+        prompt = chat_ids(target.tokenizer, question.prompt)
+        if len(prompt) > args.max_prompt_tokens:
+            continue
+        answer = greedy(target, prompt, args.tokens, set(target.eos_token_ids))
+        if len(answer) < 2:
+            continue
+        target_logits = teacher_forced_logits(target, prompt, answer)
+        draft_logits = teacher_forced_logits(draft, prompt, answer)
+        target_probs = probs(target_logits, prompt, answer, vocab)
+        target_top = target_logits.argmax(-1)
+        for key, keep in cuts.items():
+            masked = torch.full_like(draft_logits, float("-inf"))
+            masked[:, keep] = draft_logits[:, keep]
+            draft_probs = probs(masked, prompt, answer, vocab)
+            accepted[key] += torch.minimum(target_probs, draft_probs).sum(-1).tolist()
+            agreed[key] += (masked.argmax(-1) == target_top).tolist()
+        say(f"{question.category} q{question.question_id}: {len(answer)} positions")
+    del draft
+    prefix = (chat_ids(target.tokenizer, questions[0].prompt) * 8)[:200]
+    steps = {}
+    for n in sizes:
+        loaded = torch_thread.run(load_model, pair.draft, dtype=pair.draft_dtype, quantize=pair.draft_quantize,
+                                  head_vocab=n)
+        steps[n] = (step_ms(loaded, prefix, 1), step_ms(loaded, prefix, 4))
+        say(f"head {n or 'all'}: {steps[n][0]:.1f} ms a step, {steps[n][1]:.1f} ms for 4 rows")
+        del loaded
+    target_ms = step_ms(target, prefix, 1)
+    rows = []
+    for (n, how), keep in cuts.items():
+        step = steps.get(n) if how != "id" else None
+        rows.append(dict(head=n or vocab, ranked_by=how, kept=int(keep.numel()),
+                         acceptance=round(statistics.mean(accepted[(n, how)]), 4),
+                         greedy_agreement=round(statistics.mean(agreed[(n, how)]), 4),
+                         step_ms=round(step[0], 2) if step else None, step_ms_4_rows=round(step[1], 2) if step else None,
+                         step_vs_target=round(step[0] / target_ms, 3) if step else None))
+    positions = len(accepted[(0, "all")])
+    print(f"{args.pair}: {positions} positions of {len(questions)} dev questions the ranking did not read; "
+          f"target step {target_ms:.1f} ms; acceptance = E sum(min(target, draft)) at T=0.7\n")
+    print("| head ids | ranked by | acceptance | greedy agreement | draft step ms (1 row, 4 rows) | step / target step |")
+    print("|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["head"], r["ranked_by"])):
+        step = f"{r['step_ms']:.1f}, {r['step_ms_4_rows']:.1f}" if r["step_ms"] else "-"
+        ratio = f"{r['step_vs_target']:.2f}" if r["step_vs_target"] else "-"
+        print(f"| {r['head']} | {r['ranked_by']} | {r['acceptance']:.4f} | {r['greedy_agreement']:.4f} | {step} | {ratio} |")
+    args.out.write_text(json.dumps(dict(pair=args.pair, positions=positions, target_step_ms=target_ms, rows=rows),
+                                   indent=1))
+    say(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

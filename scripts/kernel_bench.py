@@ -1,0 +1,252 @@
+"""Linear-layer kernels side by side: ms of y = x W^T by weight shape and rows,
+for every backend that installs here (a missing one is skipped with a line).
+
+    python scripts/kernel_bench.py [--shapes 1536x8960,...] [--rows 1,2,4,...] [--threads N] [--out FILE.json]
+
+Weights are rotated past the last-level cache (as many copies as it takes to
+fill four times it), so each call reads its weight from memory as a decode step
+does (up to 2 GiB of copies: a virtual machine may report a whole socket's
+cache). Each cell is the median of timed calls after warm-up calls. The table
+prints as Markdown; --out writes it as JSON with the machine (CPU model and
+flags, threads, torch version).
+
+Backends:
+  torch-int4       torch's int4 weight-only CPU kernel (`_weight_int4pack_mm_for_cpu`), bf16 activations (the int4 target's)
+  fbgemm-int8      fbgemm's dynamic int8 GEMM, int8 activations per call (the INT8 drafter's)
+  torch-int8-wo    torch's int8 weight-only kernel (`_weight_int8pack_mm`), bf16 activations
+  bf16             a dense bf16 matmul (oneDNN)
+  zentorch-int8    zentorch's dynamic int8 x int8 linear (optional: `pip install zentorch`)
+  ort-int4         onnxruntime's MatMulNBits over the same Q4_K codes (float zero points), (optional: `pip install onnxruntime onnx`)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = ["1536x8960", "8960x1536", "151936x896", "151936x1536"]   # out x in
+ROWS = [1, 2, 4, 5, 8, 16, 64, 256]
+GROUP = 32
+ROTATE_MAX = 2 * 2 ** 30   # bytes of weight copies at most, whatever the cache reports
+
+
+def l3_bytes() -> int:
+    try:
+        for index in sorted(os.listdir("/sys/devices/system/cpu/cpu0/cache")):
+            path = f"/sys/devices/system/cpu/cpu0/cache/{index}"
+            if open(f"{path}/level").read().strip() == "3":
+                size = open(f"{path}/size").read().strip()
+                return int(size[:-1]) * (1024 if size.endswith("K") else 1024 ** 2)
+    except OSError:
+        pass
+    return 32 * 2 ** 20
+
+
+def cpu() -> dict:
+    info = {"machine": platform.machine(), "model": "", "flags": []}
+    try:
+        text = open("/proc/cpuinfo").read()
+        for line in text.splitlines():
+            if line.startswith("model name") and not info["model"]:
+                info["model"] = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+                info["flags"] = sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
+                break
+    except OSError:
+        pass
+    return info
+
+
+# Each backend: build(weight fp32 [N, K]) -> state; call(state, x fp32 [M, K]) -> y.
+
+def q4(w):
+    """w [N, K] -> Q4_K's form, per group of 32: codes q in 0..15, scale, minimum with w ~ scale * q - minimum."""
+    n, k = w.shape
+    g = w.view(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+    return codes, scale, -lo
+
+
+def build_int4(w):
+    codes, scale, minimum = q4(w)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2)
+    sz = torch.stack([scale.t(), (8 * scale - minimum).t()], -1).bfloat16().contiguous()
+    return packed, sz
+
+
+def call_int4(state, x):
+    packed, sz = state
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, GROUP, sz)
+
+
+def build_fbgemm(w):
+    scales = w.abs().amax(1).clamp(min=1e-8) / 127
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = torch.quantize_per_channel(w, scales.double(), torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+    return torch.ops.quantized.linear_prepack(q, None)
+
+
+def call_fbgemm(state, x):
+    return torch.ops.quantized.linear_dynamic(x, state, False)
+
+
+def build_int8_wo(w):
+    scales = w.abs().amax(1).clamp(min=1e-8) / 127
+    return torch.round(w / scales[:, None]).to(torch.int8), scales.bfloat16()
+
+
+def call_int8_wo(state, x):
+    return torch._weight_int8pack_mm(x.bfloat16(), *state)
+
+
+def build_bf16(w):
+    return w.bfloat16()
+
+
+def call_bf16(state, x):
+    return F.linear(x.bfloat16(), state)
+
+
+def build_zentorch(w):
+    import zentorch  # noqa: F401 - registers torch.ops.zentorch
+    scales = (w.abs().amax(1).clamp(min=1e-8) / 127).float()
+    codes = torch.round(w / scales[:, None]).to(torch.int8)
+    packed = torch.ops.zentorch.zentorch_weight_prepack_for_dynamic_qlinear(codes.contiguous())
+    return packed, scales
+
+
+def call_zentorch(state, x):
+    packed, scales = state
+    return torch.ops.zentorch.zentorch_dynamic_qlinear(x.bfloat16(), packed, scales, None, is_weight_prepacked=True)
+
+
+def build_ort(w):
+    """The GGUF's codes as they are: Q4_K's per-group minimum as float zero points (w = s (q - m / s))."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+    n, k = w.shape
+    codes, scale, minimum = q4(w)
+    c = codes.to(torch.uint8).view(n, k // GROUP, GROUP).numpy()
+    packed = c[..., 0::2] | (c[..., 1::2] << 4)
+    node = helper.make_node("MatMulNBits", ["x", "w", "s", "z"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
+                            block_size=GROUP, accuracy_level=4)
+    graph = helper.make_graph(
+        [node], "mm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
+        [helper.make_tensor("w", TensorProto.UINT8, packed.shape, packed.tobytes(), raw=True),
+         helper.make_tensor("s", TensorProto.FLOAT, [n * (k // GROUP)], scale.numpy().reshape(-1).tobytes(), raw=True),
+         helper.make_tensor("z", TensorProto.FLOAT, [n * (k // GROUP)], (minimum / scale).numpy().reshape(-1).tobytes(),
+                            raw=True)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def call_ort(state, x):
+    return state.run(None, {"x": x.numpy()})[0]
+
+
+BACKENDS = {
+    "torch-int4": (build_int4, call_int4),
+    "fbgemm-int8": (build_fbgemm, call_fbgemm),
+    "torch-int8-wo": (build_int8_wo, call_int8_wo),
+    "bf16": (build_bf16, call_bf16),
+    "zentorch-int8": (build_zentorch, call_zentorch),
+    "ort-int4": (build_ort, call_ort),
+}
+
+
+def bytes_of(state) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, tuple):
+        return sum(bytes_of(s) for s in state)
+    return 0
+
+
+def measure(call, states, x, budget_s: float) -> float:
+    for state in states[:2]:
+        call(state, x)
+    times, started, i = [], time.perf_counter(), 0
+    while len(times) < 5 or (time.perf_counter() - started < budget_s and len(times) < 200):
+        state = states[i % len(states)]
+        i += 1
+        t = time.perf_counter()
+        call(state, x)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--rows", default=",".join(map(str, ROWS)))
+    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--budget-s", type=float, default=0.3, help="time per cell, at least 5 calls")
+    p.add_argument("--out", help="write the table as JSON here")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+    l3 = l3_bytes()
+    results, skipped = [], {}
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        torch.manual_seed(0)
+        weight = torch.randn(n, k) * 0.02
+        for name in args.backends.split(","):
+            build, call = BACKENDS[name]
+            x = torch.randn(4, k)
+            try:
+                first = build(weight)
+                y = torch.as_tensor(call(first, x)).float()
+                size = bytes_of(first) or weight.numel() // 2  # a session holds its 4-bit weight
+                copies = min(max(1, -(-min(4 * l3, ROTATE_MAX) // size)), 64) if size else 1
+                states = [first] + [build(weight) for _ in range(copies - 1)]
+            except Exception as exc:  # not installed, or not for this CPU: skipped, said once
+                if name not in skipped:
+                    skipped[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+                    print(f"skipping {name}: {skipped[name]}", file=sys.stderr)
+                continue
+            error = float((y - x @ weight.t()).norm() / (x @ weight.t()).norm())  # each kernel checked, not only timed
+            cells = {}
+            for m in rows:
+                x = torch.randn(m, k)
+                cells[m] = round(measure(call, states, x, args.budget_s), 4)
+            results.append({"shape": shape, "backend": name, "ms": cells, "copies": len(states),
+                            "relative_error": round(error, 5)})
+            print(f"{shape:>12} {name:>14}: " + "  ".join(f"M={m}: {v:.3f}" for m, v in cells.items()),
+                  file=sys.stderr, flush=True)
+            del states, first
+    print(f"\n{cpu()['model']}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"L3 {l3 / 2**20:.0f} MiB; ms, median\n")
+    print("| weight (out × in) | kernel | " + " | ".join(f"M={m}" for m in rows) + " | rel. error |")
+    print("|---|---|" + "---|" * len(rows) + "---|")
+    for r in results:
+        print(f"| {r['shape'].replace('x', ' × ')} | {r['backend']} | "
+              + " | ".join(f"{r['ms'][m]:.3f}" for m in rows) + f" | {r['relative_error']:.4f} |")
+    for name, why in skipped.items():
+        print(f"\nskipped {name}: {why}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": {**cpu(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                                   "l3_bytes": l3}, "rows": rows, "results": results, "skipped": skipped}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Which kernel computes a quantized layer's call, chosen by timing.
+
+A layer offers every kernel that can compute it from the weight it holds:
+torch's own always, and the accelerated backends registered here for its weight
+format, where their package installs and their result matches torch's on the
+layer (a backend that does not import, or fails its check, is skipped with a
+log line, never an error). `pick` times each one on the first calls of a layer
+shape and row bucket, in the forward itself (the weights as cold or warm as
+serving finds them), and runs the fastest from then on; `choices()` is what it
+chose, for the log and the service's Info. Which kernel wins depends on the CPU
+(AVX2, AVX-512 VNNI, AMX), the shape and the rows: scripts/kernel_bench.py
+measures them side by side.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+TRIES = 3               # timed calls of each kernel before a bucket's choice; the fastest call counts
+CHECK_TOLERANCE = 0.03  # a backend's output within this relative error of torch's on the layer, or it is skipped
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    weight_format: str    # the weight it computes from: "int8-channel" (int8 codes [N, K], one scale per row)
+    module: str           # imported before it is used: where it does not install, the backend is skipped
+    prepare: Callable[[torch.Tensor, torch.Tensor], object]   # (codes [N, K] int8, scales [N] fp32) -> its weight
+    run: Callable[[object, torch.Tensor], torch.Tensor]       # (its weight, x [M, K] fp32) -> [M, N]
+
+
+BACKENDS: list[Backend] = []
+_usable: dict[str, bool] = {}
+_lock = threading.Lock()
+_CHOICE: dict[tuple, str] = {}   # (*layer key, row bucket) -> the kernel chosen
+
+
+def register(backend: Backend) -> Backend:
+    BACKENDS.append(backend)
+    return backend
+
+
+def usable(weight_format: str) -> list[Backend]:
+    """The registered backends for this weight format whose package imports here."""
+    out = []
+    for backend in BACKENDS:
+        if backend.weight_format != weight_format:
+            continue
+        with _lock:
+            if backend.name not in _usable:
+                try:
+                    importlib.import_module(backend.module)
+                    _usable[backend.name] = True
+                    log.info("kernel backend %s is available (%s)", backend.name, backend.module)
+                except Exception as exc:  # not installed, or built for another torch or CPU
+                    _usable[backend.name] = False
+                    log.info("kernel backend %s skipped: %s does not import here (%s: %s)", backend.name,
+                             backend.module, type(exc).__name__, str(exc).splitlines()[0][:120] if str(exc) else "")
+        if _usable[backend.name]:
+            out.append(backend)
+    return out
+
+
+def checked(backend: Backend, codes: torch.Tensor, scales: torch.Tensor,
+            reference: Callable[[torch.Tensor], torch.Tensor]) -> object | None:
+    """The backend's weight for this layer, if its output on a probe matches the
+    layer's own kernel (`reference`); None (said once per backend) if it does not."""
+    try:
+        state = backend.prepare(codes, scales)
+        probe = torch.randn(4, codes.shape[1], generator=torch.Generator().manual_seed(0))
+        want = reference(probe).float()
+        got = torch.as_tensor(backend.run(state, probe)).float()
+        error = float((got - want).norm() / want.norm().clamp(min=1e-12))
+        if math.isfinite(error) and error <= CHECK_TOLERANCE:
+            return state
+        reason = f"relative error {error:.3g} against torch's kernel"
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+    with _lock:
+        if _usable.get(backend.name):
+            _usable[backend.name] = False
+            log.warning("kernel backend %s skipped: it failed its check on a %d x %d layer (%s)", backend.name,
+                        codes.shape[0], codes.shape[1], reason)
+    return None
+
+
+def bucket(rows: int) -> int:
+    """Rows alike enough to share a choice: each count up to 8 (kernels take rows
+    in passes of 4 or so), then powers of two."""
+    return rows if rows <= 8 else 1 << (rows - 1).bit_length()
+
+
+def pick(key: tuple, rows: int, kernels: dict[str, Callable[[], torch.Tensor]]) -> torch.Tensor:
+    """kernels[name]() for the kernel chosen for (key, rows); the first calls of a
+    bucket time each kernel TRIES times and choose. One kernel: it runs."""
+    if len(kernels) == 1:
+        return next(iter(kernels.values()))()
+    choice_key = (*key, bucket(rows))
+    name = _CHOICE.get(choice_key)
+    if name in kernels:
+        return kernels[name]()
+    best: dict[str, float] = {}
+    outputs: dict[str, torch.Tensor] = {}
+    for _ in range(TRIES):
+        for kernel, call in kernels.items():
+            started = time.perf_counter()
+            outputs[kernel] = call()
+            best[kernel] = min(best.get(kernel, math.inf), time.perf_counter() - started)
+    name = min(best, key=best.get)
+    _CHOICE[choice_key] = name
+    log.debug("%s, %d rows: %s (%s)", key, rows, name, ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in best.items()))
+    return outputs[name]
+
+
+def choices() -> list[str]:
+    """What `pick` chose so far, one line per layer shape and row bucket."""
+    return [f"{' '.join(str(k) for k in key[:-1])} rows<={key[-1]}: {name}" for key, name in sorted(
+        _CHOICE.items(), key=lambda item: (tuple(str(k) for k in item[0][:-1]), item[0][-1]))]
+
+
+# --- the accelerated backends ---------------------------------------------------------
+
+def _zentorch_prepare(codes: torch.Tensor, scales: torch.Tensor):
+    packed = torch.ops.zentorch.zentorch_weight_prepack_for_dynamic_qlinear(codes.contiguous())
+    return packed, scales.float().contiguous()
+
+
+def _zentorch_run(state, x: torch.Tensor) -> torch.Tensor:
+    packed, scales = state
+    return torch.ops.zentorch.zentorch_dynamic_qlinear(x.bfloat16(), packed, scales, None,
+                                                       is_weight_prepacked=True).float()
+
+
+# AMD's plugin (`pip install zentorch`, built per torch version): int8 x int8 with
+# activations quantized per call, like fbgemm's, from the same codes and scales.
+register(Backend("zentorch-int8", "int8-channel", "zentorch", _zentorch_prepare, _zentorch_run))

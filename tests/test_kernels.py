@@ -1,0 +1,100 @@
+"""specdec.runtime.kernels: accelerated backends behind one interface, skipped
+where they do not install or fail their check, chosen per shape and row bucket
+by timing; a quantized layer gives the same result whichever runs."""
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+import time
+
+import pytest
+import torch
+
+from specdec.runtime import kernels
+from specdec.runtime.quant import int8
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    monkeypatch.setattr(kernels, "BACKENDS", [])
+    monkeypatch.setattr(kernels, "_usable", {})
+    monkeypatch.setattr(kernels, "_CHOICE", {})
+    return kernels
+
+
+def dequantized(codes, scales):
+    return codes.float() * scales[:, None]
+
+
+def exact(name: str, delay_s: float = 0.0) -> kernels.Backend:
+    """A backend computing the layer's int8 weight in fp32: the same result, at a chosen speed."""
+    def run(weight, x):
+        time.sleep(delay_s)
+        return x @ weight.t()
+    return kernels.Backend(name, "int8-channel", "torch", dequantized, run)
+
+
+def layer(generator) -> int8.Int8Linear:
+    return int8.Int8Linear(torch.randn(64, 32, generator=generator), torch.randn(64, generator=generator))
+
+
+def test_a_backend_that_does_not_install_is_skipped_with_a_line_and_the_layer_runs_as_before(registry, caplog):
+    registry.register(kernels.Backend("missing", "int8-channel", "specdec_no_such_package", dequantized,
+                                      lambda w, x: x))
+    generator = torch.Generator().manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="specdec.runtime.kernels"):
+        linear = layer(generator)
+        x = torch.randn(3, 32, generator=generator)
+        y = linear(x)
+    assert "kernel backend missing skipped" in caplog.text and "specdec_no_such_package" in caplog.text
+    assert linear._accelerated() == [] and registry._CHOICE == {}
+    expected = torch.ops.quantized.linear_dynamic(x, linear._packed, int8._reduce_range())
+    assert torch.equal(y, expected)
+
+
+def test_a_backend_that_fails_its_check_is_skipped_with_a_warning(registry, caplog):
+    registry.register(kernels.Backend("wrong", "int8-channel", "torch", dequantized, lambda w, x: 2 * x @ w.t()))
+    with caplog.at_level(logging.WARNING, logger="specdec.runtime.kernels"):
+        linear = layer(torch.Generator().manual_seed(1))
+        linear(torch.randn(2, 32))
+    assert linear._accelerated() == [] and "wrong skipped: it failed its check" in caplog.text
+    assert registry.usable("int8-channel") == []   # said once, then left out for every layer
+
+
+def test_the_faster_kernel_is_chosen_per_row_bucket_and_kept(registry):
+    registry.register(exact("slow", delay_s=0.02))
+    registry.register(exact("quick"))
+    generator = torch.Generator().manual_seed(2)
+    linear = layer(generator)
+    x = torch.randn(5, 32, generator=generator)
+    y = linear(x)
+    assert [b.name for b, _ in linear._accelerated()] == ["slow", "quick"]
+    key = ("int8-dynamic", 64, 32, kernels.bucket(5))
+    assert registry._CHOICE[key] in ("quick", "fbgemm-int8")    # never the one that sleeps
+    assert any("rows<=5" in line for line in registry.choices())
+    # The same bucket again: no new timing, the same kernel (a chosen kernel is deterministic).
+    started = time.perf_counter()
+    again = linear(x)
+    assert time.perf_counter() - started < 0.02 and torch.equal(again, y)
+    # Every kernel gives the layer's result within int8 roundings (bias included).
+    reference = torch.ops.quantized.linear_dynamic(x, linear._packed, int8._reduce_range())
+    assert float((y - reference).norm() / reference.norm()) < kernels.CHECK_TOLERANCE
+
+
+def test_row_buckets_are_exact_to_eight_then_powers_of_two():
+    assert [kernels.bucket(r) for r in (1, 4, 5, 8, 9, 16, 17, 64, 65)] == [1, 4, 5, 8, 16, 16, 32, 64, 128]
+
+
+def test_the_model_cache_saves_a_layer_without_this_machines_kernels(registry):
+    registry.register(exact("quick"))
+    linear = layer(torch.Generator().manual_seed(3))
+    linear(torch.randn(1, 32))
+    assert linear._accelerated()
+    buffer = io.BytesIO()
+    torch.save(linear, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert "_accel" not in loaded.__dict__ and "_accel" not in pickle.loads(pickle.dumps(linear)).__dict__
+    x = torch.randn(2, 32)
+    assert torch.allclose(loaded(x), linear(x), rtol=0, atol=1e-5)
