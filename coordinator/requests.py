@@ -159,19 +159,21 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
 
 
 def stats_to_proto(stats: Stats) -> coordinator_pb2.GenerationStats:
-    return coordinator_pb2.GenerationStats(
-        rounds=stats.rounds, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
-        acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length,
-        acceptance_by_position=stats.acceptance_by_position, prefill_ms=stats.prefill_ms, draft_ms=stats.draft_ms,
-        verify_ms=stats.verify_ms, overhead_ms=stats.overhead_ms, total_ms=stats.total_ms,
-        tokens_per_second=stats.tokens_per_second,
-        prompt_tokens=stats.prompt_tokens, gamma=stats.gamma, fallback=stats.fallback,
-        first_token_ms=stats.first_token_ms, verify_batch_rows=stats.verify_batch_rows,
-        verify_queue_ms=stats.verify_queue_ms, draft_queue_ms=stats.draft_queue_ms,
-        draft_sources=[coordinator_pb2.DraftSourceStats(
-            source=name, rounds=c.rounds, draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens,
-            acceptance_rate=c.acceptance_rate) for name, c in sorted(stats.sources.items())],
-        draft_bytes=stats.draft_bytes, draft_bytes_per_round=stats.draft_bytes_per_round)
+    # Every field but the per-source list is the Stats attribute of its name: a new
+    # statistic is its proto field and its attribute (test_requests holds them together).
+    out = coordinator_pb2.GenerationStats()
+    for field in out.DESCRIPTOR.fields:
+        if field.name == "draft_sources":
+            continue
+        value = getattr(stats, field.name)
+        if isinstance(value, (list, tuple)):
+            getattr(out, field.name).extend(value)
+        else:
+            setattr(out, field.name, value)
+    out.draft_sources.extend(coordinator_pb2.DraftSourceStats(
+        source=name, rounds=c.rounds, draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens,
+        acceptance_rate=c.acceptance_rate) for name, c in sorted(stats.sources.items()))
+    return out
 
 
 def update_to_proto(update: Update, with_stats: bool) -> coordinator_pb2.GenerateResponse:

@@ -103,7 +103,7 @@ def main() -> int:
             stub.StartSession(common_pb2.StartSessionRequest(session_id=sid, prompt_token_ids=prompt), timeout=60)
             sampling = common_pb2.SamplingParams(temperature=temperature, seed=1)
             first = stub.Propose(drafter_pb2.ProposeRequest(session_id=sid, num_tokens=args.gamma, sampling=sampling))
-            state = {"drafted": len(first.draft_token_ids)}
+            assert first.draft_token_ids  # the session drafts
 
             def rpc():
                 request = drafter_pb2.ProposeRequest(session_id=sid, num_tokens=args.gamma, sampling=sampling)

@@ -15,7 +15,6 @@ import pathlib
 import statistics
 import time
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from specdec.runtime.kv_cache import SequenceCache

@@ -80,3 +80,29 @@ def test_the_proposer_is_the_requests_choice_or_the_servers():
         assert to_domain(request, TOK, LIMITS, True).proposer == name
     with pytest.raises(InvalidArgument, match="not a ProposerKind"):
         to_domain(pb.GenerateRequest(prompt="hi", speculation=pb.Speculation(proposer=9)), TOK, LIMITS, True)
+
+
+def test_every_generation_stat_is_the_engines_attribute_of_its_name():
+    """A new statistic is its GenerationStats field and its Stats attribute: the
+    mapping, the bench and `specdec load` take it by name."""
+    from coordinator.engine import SourceCount, Stats
+    from coordinator.requests import stats_to_proto
+    from coordinator.rounds import RoundRecord
+    from specdec.spec.proposer import MODEL, NGRAM, runs
+    stats = Stats(prompt_tokens=7, gamma=3, fallback="why")
+    stats.record(RoundRecord(0, 3, 3, 2, False, draft_ms=4.0, verify_ms=9.0, sources=runs((NGRAM, 1), (MODEL, 2)),
+                             draft_bytes=12, verify_batch_rows=4.0))
+    stats.output_tokens, stats.total_ms, stats.first_token_ms = 3, 20.0, 5.0
+    proto = stats_to_proto(stats)
+    for field in proto.DESCRIPTOR.fields:
+        if field.name == "draft_sources":
+            continue
+        assert hasattr(stats, field.name), f"GenerationStats.{field.name} has no Stats attribute"
+        mine = getattr(stats, field.name)
+        theirs = getattr(proto, field.name)
+        assert (list(theirs) == pytest.approx(list(mine)) if isinstance(mine, list) else
+                theirs == (pytest.approx(mine) if isinstance(mine, float) else mine)), field.name
+    assert proto.accepted_tokens == 2 and proto.fallback == "why" and proto.draft_bytes == 12
+    assert {s.source: (s.draft_tokens, s.accepted_tokens) for s in proto.draft_sources} == {"ngram": (1, 1),
+                                                                                           "model": (2, 1)}
+    assert isinstance(stats.sources["model"], SourceCount)

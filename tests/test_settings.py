@@ -102,3 +102,13 @@ def test_specdec_up_offers_the_quantizations_the_model_services_have():
     up = next(a for a in cli_parser()._subparsers._group_actions[0].choices["up"]._actions
               if a.dest == "draft_quantize")
     assert set(up.choices) == set(QUANTIZE)
+
+
+def test_the_charts_schema_offers_the_quantizations_the_model_services_have():
+    import json
+    import pathlib
+    from specdec.runtime.quant import QUANTIZE
+    schema = json.loads((pathlib.Path(__file__).resolve().parent.parent / "deploy/helm/specdec/values.schema.json")
+                        .read_text())
+    for component in ("verifier", "drafter"):
+        assert set(schema["properties"][component]["properties"]["quantize"]["enum"]) == set(QUANTIZE), component

@@ -32,8 +32,10 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
                         help="lean: specdec's forward for Llama/Qwen2 over a static KV cache (others fall back to "
                              "transformers'); hf: transformers' forward")),
     S("--head-vocab", dict(type=int, default=0,
-                           help="with --quantize int8: restrict the LM head to the N lowest (most frequent) ids plus "
-                                "special tokens (0 = whole vocabulary); lossless, it only changes what is proposed")),
+                           help="with --quantize int8: cut the LM head to the N ids the target writes most (the "
+                                "tokenizer's ranking in specdec/weights/vocab; the lowest ids without one) plus "
+                                "special tokens (0 = whole vocabulary); lossless, it only changes what is proposed"),
+      chart=True),
     S("--session-ttl", dict(type=float, default=600.0, help="seconds before an idle session is reaped"),
       up=True, chart=True),
     S("--max-sessions", dict(type=int, default=256, help="sessions held at once; beyond it, RESOURCE_EXHAUSTED"),

@@ -99,6 +99,7 @@ livenessProbe:
     - --model={{ ternary $root.Values.models.target $root.Values.models.draft (eq .component "verifier") }}
     - --dtype={{ $v.dtype }}
     - --quantize={{ $v.quantize }}
+    - --head-vocab={{ $v.headVocab | default 0 | int }}
     - --device={{ $v.device }}
     - --threads={{ $v.threads }}
     {{- if $split }}
