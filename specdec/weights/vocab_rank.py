@@ -19,7 +19,8 @@ DIR = pathlib.Path(__file__).resolve().parent / "vocab"
 
 
 def path(fingerprint: str) -> pathlib.Path:
-    return DIR / f"{fingerprint[:16]}.npy"
+    digest = fingerprint.split(":", 1)[-1]   # "sha256:<hex>": the hex names the file
+    return DIR / f"{digest[:16]}.npy"
 
 
 def load(fingerprint: str) -> np.ndarray | None:
