@@ -108,10 +108,10 @@ class GammaController:
             tokens = 1 + free_tokens[k] + free[k] * model_tokens[j]
             return tokens / max(draft[j] + verify[k + j], 1e-6)
         (k, j), value = (0, gamma), goodput(0, min(gamma, len(model) - 1))
-        for lookup_tokens in range(1, k_max + 1):
-            for model_tokens_after in range(min(len(model) - 1, self.gamma_max - lookup_tokens, limit - lookup_tokens) + 1):
-                if goodput(lookup_tokens, model_tokens_after) > value:
-                    (k, j), value = (lookup_tokens, model_tokens_after), goodput(lookup_tokens, model_tokens_after)
+        for free_k in range(1, k_max + 1):                  # k lookup tokens, then j model tokens
+            for model_j in range(min(len(model) - 1, self.gamma_max - free_k, limit - free_k) + 1):
+                if goodput(free_k, model_j) > value:
+                    (k, j), value = (free_k, model_j), goodput(free_k, model_j)
         # A lookup not expected to pay is tried short now and then, or a bucket
         # judged bad once would never be judged again.
         lookup_probe = k == 0 and self.lookup_skips[bucket] + 1 >= 2 * self.base_probe_every
