@@ -98,3 +98,26 @@ def test_the_model_cache_saves_a_layer_without_this_machines_kernels(registry):
     assert "_accel" not in loaded.__dict__ and "_accel" not in pickle.loads(pickle.dumps(linear)).__dict__
     x = torch.randn(2, 32)
     assert torch.allclose(loaded(x), linear(x), rtol=0, atol=1e-5)
+
+
+def test_a_backend_that_raises_in_serving_is_left_out_and_the_call_goes_on(registry, caplog):
+    def flaky(weight, x):
+        if x.shape[0] in (2, 3):   # passes its check (4 rows), then fails at 2 and 3 rows
+            raise RuntimeError("unsupported shape")
+        return x @ weight.t()
+    registry.register(kernels.Backend("flaky", "int8-channel", "torch", dequantized, flaky))
+    registry.register(exact("quick"))
+    generator = torch.Generator().manual_seed(4)
+    linear = layer(generator)
+    x = torch.randn(3, 32, generator=generator)
+    with caplog.at_level(logging.WARNING, logger="specdec.runtime.kernels"):
+        y = linear(x)
+    reference = torch.ops.quantized.linear_dynamic(x, linear._packed, int8._reduce_range())
+    assert float((y - reference).norm() / reference.norm()) < kernels.CHECK_TOLERANCE
+    assert registry._CHOICE[("int8-dynamic", 64, 32, 3)] in ("quick", "fbgemm-int8")
+    # Chosen, then failing: the layer's own kernel takes over for good.
+    key = ("int8-dynamic", 64, 32, 2)
+    registry._CHOICE[key] = "flaky"
+    two = torch.randn(2, 32, generator=generator)
+    assert torch.equal(linear(two), torch.ops.quantized.linear_dynamic(two, linear._packed, int8._reduce_range()))
+    assert registry._CHOICE[key] == "fbgemm-int8" and "flaky failed" in caplog.text

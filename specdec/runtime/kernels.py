@@ -100,19 +100,42 @@ def bucket(rows: int) -> int:
 
 def pick(key: tuple, rows: int, kernels: dict[str, Callable[[], torch.Tensor]]) -> torch.Tensor:
     """kernels[name]() for the kernel chosen for (key, rows); the first calls of a
-    bucket time each kernel TRIES times and choose. One kernel: it runs."""
+    bucket time each kernel TRIES times and choose. The first kernel is the
+    layer's own (torch's): an accelerated one that raises is dropped for the
+    bucket, with a line, and the call goes on without it. One kernel: it runs."""
+    default = next(iter(kernels))
     if len(kernels) == 1:
-        return next(iter(kernels.values()))()
+        return kernels[default]()
     choice_key = (*key, bucket(rows))
     name = _CHOICE.get(choice_key)
     if name in kernels:
-        return kernels[name]()
+        if name == default:
+            return kernels[name]()
+        try:
+            return kernels[name]()
+        except Exception as exc:
+            log.warning("kernel %s failed on %s (%s: %s); the layer's own kernel runs there from now on", name,
+                        choice_key, type(exc).__name__, str(exc).splitlines()[0][:120] if str(exc) else "")
+            _CHOICE[choice_key] = default
+            return kernels[default]()
     best: dict[str, float] = {}
     outputs: dict[str, torch.Tensor] = {}
+    failed: set[str] = set()
     for _ in range(TRIES):
         for kernel, call in kernels.items():
+            if kernel in failed:
+                continue
             started = time.perf_counter()
-            outputs[kernel] = call()
+            try:
+                outputs[kernel] = call()
+            except Exception as exc:
+                if kernel == default:
+                    raise
+                failed.add(kernel)
+                best.pop(kernel, None)
+                log.warning("kernel %s failed on %s, %d rows (%s: %s); left out there", kernel, key, rows,
+                            type(exc).__name__, str(exc).splitlines()[0][:120] if str(exc) else "")
+                continue
             best[kernel] = min(best.get(kernel, math.inf), time.perf_counter() - started)
     name = min(best, key=best.get)
     _CHOICE[choice_key] = name
