@@ -3,6 +3,7 @@ controller and the round's span all read the same record, so what a round
 drafted and had accepted is counted in one place."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from specdec.spec.proposer import MODEL, Runs, judged, runs
@@ -39,6 +40,11 @@ class RoundRecord:
 
     def by_source(self) -> list[tuple[str, int, int]]:
         """(source, drafted, accepted) for each source that drafted, in draft order."""
+        return self._judged
+
+    @functools.cached_property
+    def _judged(self) -> list[tuple[str, int, int]]:
+        # Worked out once: the stats, the metrics, the controller and the span each read it every round.
         return judged(self.sources or runs((MODEL, self.drafted)), self.accepted)
 
     def drafted_by(self, source: str) -> int:

@@ -18,7 +18,6 @@ import json
 import pathlib
 import statistics
 import sys
-import time
 
 import torch
 
@@ -33,6 +32,7 @@ from specdec_tools.bench.data import DEFAULT_QUESTIONS, load_questions
 from specdec_tools.bench.systems import chat_ids
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from quant_check import forward_ms  # noqa: E402
 from vocab_rank import greedy  # noqa: E402
 
 SAMPLED = SamplingConfig(temperature=0.7)
@@ -47,19 +47,6 @@ def teacher_forced_logits(loaded, prompt: list[int], continuation: list[int]) ->
 
 def probs(logits: torch.Tensor, prompt: list[int], continuation: list[int], vocab: int) -> torch.Tensor:
     return scores_to_probs(transform_logits(logits, prompt[:-1], continuation, SAMPLED, vocab))
-
-
-@torch_thread.runs_on_it
-def step_ms(loaded, prefix: list[int], rows: int, repeats: int = 8) -> float:
-    times = []
-    for _ in range(repeats):
-        seq = SequenceCache(loaded, prefix)
-        seq.prefill()
-        seq.forward([], keep_last=1)
-        started = time.perf_counter()
-        seq.forward(prefix[1:rows + 1], keep_last=rows)
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -121,10 +108,10 @@ def main() -> int:
     for n in sizes:
         loaded = torch_thread.run(load_model, pair.draft, dtype=pair.draft_dtype, quantize=pair.draft_quantize,
                                   head_vocab=n)
-        steps[n] = (step_ms(loaded, prefix, 1), step_ms(loaded, prefix, 4))
+        steps[n] = (torch_thread.run(forward_ms, loaded, prefix, 1), torch_thread.run(forward_ms, loaded, prefix, 4))
         say(f"head {n or 'all'}: {steps[n][0]:.1f} ms a step, {steps[n][1]:.1f} ms for 4 rows")
         del loaded
-    target_ms = step_ms(target, prefix, 1)
+    target_ms = torch_thread.run(forward_ms, target, prefix, 1)
     rows = []
     for (n, how), keep in cuts.items():
         step = steps.get(n) if how != "id" else None
