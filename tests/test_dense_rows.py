@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.runtime import dense_rows
+from specdec.runtime import dense_rows, kernels
 from specdec.runtime.quant.int4 import Int4Linear
 from specdec.runtime.quant.int8 import Int8WeightOnlyLinear
 from tests.test_int4 import random_q4k
@@ -21,22 +21,22 @@ def int8_layer() -> Int8WeightOnlyLinear:
 
 @pytest.mark.parametrize("make, kind", [(int4_layer, "int4"), (int8_layer, "int8")])
 def test_many_rows_run_whichever_path_measured_faster_and_both_agree(monkeypatch, make, kind):
-    monkeypatch.setattr(dense_rows, "_CHOICE", {})
+    monkeypatch.setattr(kernels, "_CHOICE", {})
     layer = make()
     weight = layer.dense_weight().float()
     bias = layer.bias.float()
     x = torch.randn(100, 256)
     first = layer(x)
-    key = (kind, 128, 256, 7)  # 100 rows: the 64..127 bucket, timed once
-    assert set(dense_rows._CHOICE) == {key}
+    key = (kind, 128, 256, "prefill", 128)  # 100 rows: the 65..128 bucket, timed once
+    assert set(kernels._CHOICE) == {key}
     assert torch.equal(first, layer(x))  # the first call returned the chosen path's output
     reference = x.to(torch.bfloat16).float() @ weight.t() + bias
     bound = 4 * 2.0 ** -8 * (x.abs() @ weight.abs().t() + bias.abs())  # a few bf16 roundings
     for dense in (True, False):
-        dense_rows._CHOICE[key] = dense
+        kernels._CHOICE[key] = "dense" if dense else "kernel"
         assert ((layer(x) - reference).abs() <= bound).all(), dense
     layer(torch.randn(dense_rows.MIN_ROWS - 1, 256))
-    assert set(dense_rows._CHOICE) == {key}  # fewer rows than MIN_ROWS never ask: the kernel runs
+    assert set(kernels._CHOICE) == {key}  # fewer rows than MIN_ROWS never ask: the kernel runs
 
 
 def test_unpack_fills_every_chunk_in_order(monkeypatch):
@@ -53,18 +53,32 @@ def test_unpack_fills_every_chunk_in_order(monkeypatch):
 
 def test_the_int8_dynamic_layer_takes_bf16_activations_on_the_dense_path(monkeypatch):
     from specdec.runtime.quant.int8 import Int8Linear
-    monkeypatch.setattr(dense_rows, "_CHOICE", {})
+    monkeypatch.setattr(kernels, "_CHOICE", {})
     layer = Int8Linear(torch.randn(128, 256), torch.randn(128))
     weight, bias = layer.dense_weight()
     assert weight.dtype == torch.bfloat16 and weight.shape == (128, 256)
     x = torch.randn(100, 256)
     reference = x @ weight.float().t() + bias
-    key = ("int8-dynamic", 128, 256, 7)
-    dense_rows._CHOICE[key] = True
+    key = ("int8-dynamic", 128, 256, "prefill", 128)
+    kernels._CHOICE[key] = "dense"
     bf16_bound = 4 * 2.0 ** -8 * (x.abs() @ weight.float().abs().t())
     assert ((layer(x) - reference).abs() <= bf16_bound).all()
-    dense_rows._CHOICE[key] = False  # the kernel: int8 activations, coarser (a step of max|x| / 127 per input)
+    kernels._CHOICE[key] = "kernel"  # the kernel: int8 activations, coarser (a step of max|x| / 127 per input)
     kernel_error = (layer(x) - reference).abs()
     assert (kernel_error <= (x.abs().amax() / 127) * weight.float().abs().sum(1)).all()
-    dense_rows._CHOICE[key] = True
+    kernels._CHOICE[key] = "dense"
     assert (layer(x) - reference).abs().mean() < kernel_error.mean()  # bf16 activations are the finer
+
+
+@pytest.mark.parametrize("make, kind", [(int4_layer, "int4"), (int8_layer, "int8")])
+def test_kept_dense_weights_give_the_unpacked_paths_output(monkeypatch, make, kind):
+    monkeypatch.setattr(kernels, "_CHOICE", {(kind, 128, 256, "prefill", 128): "dense"})
+    layer = make()
+    x = torch.randn(100, 256)
+    unpacked = layer(x)
+    held = dense_rows.keep([layer])
+    assert held == 128 * 256 * 2  # bf16
+    built = []
+    monkeypatch.setattr(layer, "dense_weight", lambda: built.append(1))  # the kept weight is read, never rebuilt
+    assert torch.equal(layer(x), unpacked) and built == []
+    assert "_kept_dense" not in layer.state_dict()

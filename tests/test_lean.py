@@ -40,13 +40,13 @@ def test_lean_logits_equal_transformers_over_prefill_verify_and_rollback(tiny_ta
 def test_a_prefills_many_rows_give_transformers_logits_on_either_attention_path(tiny_target, monkeypatch, fused):
     # Rows >= dense_rows.MIN_ROWS may take torch's fused attention: from an empty
     # cache (causal) and after a cached prefix (masked), as the choice falls.
-    from specdec.runtime import dense_rows
-    monkeypatch.setattr(dense_rows, "_CHOICE", {})
+    from specdec.runtime import kernels
+    monkeypatch.setattr(kernels, "_CHOICE", {})
     tokens = [(13 * i + 5) % 500 for i in range(220)]
     forward = tiny_target.lean
     heads = (forward.heads, forward.kv_heads, forward.head_dim)
-    for rows in (100, 120):  # both in the 64..127 bucket
-        dense_rows._CHOICE[("attention", *heads, rows.bit_length())] = fused
+    for rows in (100, 120):  # both in the 65..128 bucket
+        kernels._CHOICE[("attention", *heads, "prefill", kernels.bucket(rows))] = "sdpa" if fused else "bmm"
     cache = forward.new_cache()
     # fp32 sums over 100+ positions in another order: within 1e-4 of logits of size ~5.
     got = forward(torch.tensor(tokens[:100]), cache, keep_last=100)                # causal, from empty

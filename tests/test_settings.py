@@ -75,7 +75,8 @@ def test_specdec_up_hands_each_of_its_coordinator_settings_on_as_given(setting):
 @pytest.mark.parametrize("service", SERVICES)
 @pytest.mark.parametrize("setting", [s for s in MODEL_SETTINGS if s.up], ids=lambda s: s.flag)
 def test_specdec_up_hands_each_model_service_setting_to_that_service_as_given(setting, service):
-    given = SAMPLES[setting.options.get("type")]
+    choices = setting.options.get("choices")
+    given = choices[-1] if choices else SAMPLES[setting.options.get("type")]
     args = cli_parser().parse_args(["up", "--pair", "tiny", f"--{service}-{setting.flag[2:]}", given])
     passed = model_passthrough(args, service)
     assert passed == (setting.flag, given)

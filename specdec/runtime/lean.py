@@ -103,7 +103,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     if q.device.type != "cpu":  # kernels run asynchronously there: host timing would not tell
         return _sdpa_attention(q, k, v, mask)
     return dense_rows.run(("attention", heads, kv_heads, dim), rows, lambda: _bmm_attention(q, k, v, mask),
-                          lambda: _sdpa_attention(q, k, v, mask))
+                          lambda: _sdpa_attention(q, k, v, mask), names=("bmm", "sdpa"))
 
 
 def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -145,6 +145,14 @@ class _Layer:
             return self.q_proj(h), self.k_proj(h), self.v_proj(h)
         return self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
+    def linears(self) -> list[nn.Module]:
+        """The projections this layer's forward calls (a fused one, not its parts)."""
+        qkv = [self.qkv] if self.qkv is not None else [self.q_proj, self.k_proj, self.v_proj]
+        mlp = [self.gate_up] if self.gate_up is not None else \
+            [m for m in (getattr(self.mlp, "gate_proj", None), getattr(self.mlp, "up_proj", None)) if m is not None]
+        down = getattr(self.mlp, "down_proj", None)
+        return [*qkv, self.o_proj, *mlp, *([down] if down is not None else [self.mlp])]
+
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.mlp(h)
@@ -173,6 +181,11 @@ class LeanForward:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.dtype = self.embed.weight.dtype
+
+    def linears(self) -> list[nn.Module]:
+        """Every layer's projections as the forward calls them (not the LM head, which
+        only ever sees the rows kept)."""
+        return [m for layer in self.layers for m in layer.linears()]
 
     def token_bytes(self) -> int:
         """KV cache bytes per token (every layer's keys and values)."""

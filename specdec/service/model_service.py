@@ -9,7 +9,7 @@ from typing import Callable, Generic, Iterator, Protocol, TypeVar
 
 import psutil
 
-from specdec.runtime import kernels, torch_thread
+from specdec.runtime import dense_rows, kernels, torch_thread
 from specdec.runtime.batching import CallStats, Scheduler, lean_batch_forward
 from specdec.rpc.errors import InvalidArgument
 from specdec.runtime.cost_curve import CostCurve, LiveCurve, RowCost, pinned_curve
@@ -210,18 +210,34 @@ def measure_cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> Cost
     return CostCurve(curve, round(min(prefills), 4))
 
 
+def keep_dense_weights(loaded: LoadedModel, service_name: str) -> int:
+    """--prefill-weights dense: the quantized layers hold their bf16 weight for calls of many rows."""
+    if loaded.device.type != "cpu":
+        return 0
+    roots = loaded.lean.linears() if loaded.lean else [getattr(loaded.model, "model", loaded.model)]
+    started = time.perf_counter()
+    held = torch_thread.run(dense_rows.keep, roots)
+    if held:
+        log.info("%s: %.2f GB of dense weights kept for prefills (%.1f s; --prefill-weights unpack does without "
+                 "them, and prefills unpack each layer per call)", service_name, held / 1e9,
+                 time.perf_counter() - started)
+    return held
+
+
 def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, service_name: str,
                 loaded: LoadedModel, host: str = "127.0.0.1", port: int = 0, session_ttl_s: float = 600.0,
                 max_sessions: int = 256, tls: ServerTls | None = None, uds: str | None = None,
                 cost_curve_rows: int = 0, kv_cache_mb: float = 0.0, prefill_chunk: int = PREFILL_CHUNK,
                 max_batch_rows: int = MAX_BATCH_ROWS, cost_curve: CostCurve | None = None,
-                auth_token: str | None = None) -> RunningServer:
+                auth_token: str | None = None, prefill_weights: str = "dense") -> RunningServer:
     """Start a model service; it reports SERVING only once the model is warm.
     `cost_curve`: publish this curve instead of timing one at warm-up (None: the
     one the environment pins, else timed over `cost_curve_rows` rows)."""
     refuse_if_exposed(service_name, host, tls, uds, auth_token)
     if prefill_chunk < 1 or max_batch_rows < 1:
         raise ValueError(f"--prefill-chunk ({prefill_chunk}) and --max-batch-rows ({max_batch_rows}) must be >= 1")
+    if prefill_weights == "dense":  # before the KV pool takes its share of what memory is left
+        keep_dense_weights(loaded, service_name)
     store = SessionStore(ttl_s=session_ttl_s, max_sessions=max_sessions)
     store.start_reaper()
     pool = kv_pool(loaded, kv_cache_mb)

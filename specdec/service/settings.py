@@ -10,7 +10,7 @@ import argparse
 from specdec.rpc import flags
 from specdec.rpc.flags import Setting, shared
 from specdec.runtime.cost_curve import CostCurve
-from specdec.runtime.options import DTYPES, FORWARDS
+from specdec.runtime.options import DTYPES, FORWARDS, PREFILL_WEIGHTS
 from specdec.runtime.quant import QUANTIZE
 
 SERVICES = ("drafter", "verifier")
@@ -56,6 +56,10 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
     S("--prefill-chunk", dict(type=int, default=256,
                               help="prompt tokens per prefill forward: a long prompt holds up other sessions' rounds "
                                    "by one chunk at a time"), up=True),
+    S("--prefill-weights", dict(default="dense", choices=PREFILL_WEIGHTS,
+                                help="dense: keep a bf16 copy of the quantized layers' weights for calls of many rows "
+                                     "(prefills), so they run as plain matmuls (about 2 bytes a weight more memory, "
+                                     "logged at start); unpack: de-quantize each layer per call instead"), up=True),
     S("--max-batch-rows", dict(type=int, default=512,
                                help="most rows in one batched forward (within it, the cost curve sizes each batch)"),
       up=True),

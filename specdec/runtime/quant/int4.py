@@ -186,7 +186,7 @@ class Int4Linear(nn.Module):
             x, self.packed, GROUP, self.scales_and_zeros.contiguous())  # a fused layer's part holds a strided view
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense_weight())
+        return F.linear(x, dense_rows.weight(self, self.dense_weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -87,7 +87,7 @@ class Int8Linear(nn.Module):
     def _dense(self, flat: torch.Tensor) -> torch.Tensor:
         # A prefill's many rows: bf16 activations against the de-quantized weight
         # (finer than the per-call int8 activations of the kernel, and faster there).
-        weight, bias = self.dense_weight()
+        weight, bias = dense_rows.weight(self, self.dense_weight)
         out = F.linear(flat.bfloat16(), weight).float()
         return out if bias is None else out + bias
 
@@ -113,7 +113,7 @@ class Int8Linear(nn.Module):
 
     def __getstate__(self):
         # Saved in the model cache: the accelerated kernels' weights are this machine's, made again on load.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_accel", "_bias")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_accel", "_bias", "_kept_dense")}
 
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
         fbgemm = lambda: torch.ops.quantized.linear_dynamic(flat, self._packed, _reduce_range())  # noqa: E731
@@ -165,7 +165,7 @@ class Int8WeightOnlyLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).bfloat16()
         out = dense_rows.run(("int8", self.out_features, self.in_features), flat.shape[0],
                              lambda: torch._weight_int8pack_mm(flat, self.qweight, self.scales),
-                             lambda: F.linear(flat, self.dense_weight())).to(x.dtype)
+                             lambda: F.linear(flat, dense_rows.weight(self, self.dense_weight))).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
