@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
             max_message_bytes=args.max_message_bytes, log_prompts=args.log_prompts, tls=server_tls(args),
             drafter_timeout_s=args.drafter_timeout,
             draft_truncation=Truncation(args.draft_top_k, args.draft_top_p),
-            lookup_history_tokens=args.lookup_history_tokens,
+            lookup_history_tokens=args.lookup_history_tokens, share_prefix_cache=args.share_prefix_cache == "on",
             auth_token=load_token(args.auth_token_env, args.auth_token_file),
             backend_tls=ClientTls.from_args(args.backend_tls_ca, args.backend_tls_cert, args.backend_tls_key),
             backend_auth_token=load_token(args.backend_auth_token_env, args.backend_auth_token_file))

@@ -28,6 +28,7 @@ Timeout = Callable[[], "float | None"]  # seconds left of the caller's deadline
 END_SESSION_TIMEOUT_S, END_SESSION_ATTEMPTS, END_SESSION_BACKOFF_S = 5.0, 8, 0.5  # retried for about 3 min
 RETRIED_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 KEEP_ALIVE_TIMEOUT_S = 5.0
+MATCH_TIMEOUT_S = 2.0  # MatchPrefix: one hash lookup per 16 prompt tokens
 
 
 def _no_deadline() -> None:
@@ -109,9 +110,11 @@ class VerifierClient(ModelClient):
     def __init__(self, address: str, tls: ClientTls | None = None, token: str | None = None):
         super().__init__(address, verifier_pb2_grpc.VerifierStub, tls, token)
 
-    def start_session(self, session_id: str, prompt_ids: Sequence[int], timeout: float | None = None) -> None:
-        self.call("StartSession", common_pb2.StartSessionRequest(
-            session_id=session_id, prompt_token_ids=prompt_ids), timeout)
+    def start_session(self, session_id: str, prompt_ids: Sequence[int], timeout: float | None = None,
+                      cache_salt: bytes = b"") -> int:
+        """Opens the session; returns the prompt tokens taken from the prefix cache."""
+        return self.call("StartSession", common_pb2.StartSessionRequest(
+            session_id=session_id, prompt_token_ids=prompt_ids, cache_salt=cache_salt), timeout).prefix_cached_tokens
 
     def verify(self, session_id: str, proposal: Proposal, sampling: SamplingConfig,
                timeout: float | None = None) -> RejectionOutput:
@@ -137,11 +140,18 @@ class DrafterClient(ModelClient):
     def __init__(self, address: str, tls: ClientTls | None = None, token: str | None = None):
         super().__init__(address, drafter_pb2_grpc.DrafterStub, tls, token)
 
-    def start_session_async(self, session_id: str, prompt_ids: Sequence[int], timeout: float | None) -> grpc.Future:
+    def start_session_async(self, session_id: str, prompt_ids: Sequence[int], timeout: float | None,
+                            cache_salt: bytes = b"") -> grpc.Future:
         """StartSession without waiting (its prefill overlaps the verifier's); the
         future's result is the StartSessionResponse."""
         return self.stub.StartSession.future(
-            common_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt_ids), timeout=timeout)
+            common_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt_ids, cache_salt=cache_salt),
+            timeout=timeout)
+
+    def match_prefix(self, prompt_ids: Sequence[int], cache_salt: bytes, timeout: float | None) -> int:
+        """Leading tokens of the prompt the drafter's prefix cache holds (raises grpc.RpcError)."""
+        return self.stub.MatchPrefix(common_pb2.MatchPrefixRequest(prompt_token_ids=prompt_ids, cache_salt=cache_salt),
+                                     timeout=timeout).cached_tokens
 
     def propose(self, session_id: str, num_tokens: int, sampling: SamplingConfig, commit: Commit | None,
                 min_confidence: float, timeout: float | None, prefix: Sequence[int] = (),
@@ -171,8 +181,9 @@ class RemoteDraftProposer(Proposer):
 
     def __init__(self, client: DrafterClient, expected_fingerprint: str, timeout: Timeout = _no_deadline,
                  call_timeout_s: float = 30.0, truncation: Truncation = Truncation(),
-                 keep_alive_s: float = 150.0, is_up: Callable[[], bool] = lambda: True):
+                 keep_alive_s: float = 150.0, is_up: Callable[[], bool] = lambda: True, cache_salt: bytes = b""):
         self.client = client
+        self.cache_salt = cache_salt          # the request's prefix-cache salt
         self.truncation = truncation  # the draft distribution's support sent (sparse) when sampling
         self.expected_fingerprint = expected_fingerprint
         self._caller_timeout = timeout
@@ -190,7 +201,7 @@ class RemoteDraftProposer(Proposer):
 
     def start(self, session_id: str, prompt_ids: Sequence[int]) -> None:
         self._session_id = session_id
-        self._started = self.client.start_session_async(session_id, prompt_ids, self._timeout())
+        self._started = self.client.start_session_async(session_id, prompt_ids, self._timeout(), self.cache_salt)
 
     def ready(self) -> None:
         self._await_start()
@@ -203,6 +214,7 @@ class RemoteDraftProposer(Proposer):
             reply = future.result()
         except grpc.RpcError as exc:
             raise self._failure("StartSession", exc) from exc
+        self.prefix_cached_tokens = reply.prefix_cached_tokens
         # Checked on every session, so a drafter that came back with another model is caught.
         if reply.tokenizer_fingerprint != self.expected_fingerprint:
             log.error("drafter at %s now has tokenizer %s, not the target's %s", self.client.address,
@@ -211,6 +223,14 @@ class RemoteDraftProposer(Proposer):
                 "the drafter now serves another tokenizer than the target's; model drafting is off until it serves "
                 "the target's again",
                 grpc.StatusCode.FAILED_PRECONDITION)
+
+    def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
+        # For the prefill's price only: a drafter that does not answer quickly counts as holding nothing.
+        try:
+            return self.client.match_prefix(prompt_ids, self.cache_salt, min(self._timeout(), MATCH_TIMEOUT_S))
+        except grpc.RpcError as exc:
+            log.debug("drafter MatchPrefix failed: %s", exc)
+            return 0
 
     def _failure(self, method: str, exc: grpc.RpcError) -> Exception:
         remaining = self._caller_timeout()

@@ -27,6 +27,7 @@ from coordinator.rounds import RoundRecord
 
 DECODE_CHUNK = 16  # target-only tokens per Decode call (one streamed message each)
 FIXED_MIN_MATCH = 3  # fixed γ: a lookup backed by this many context tokens drafts before the model
+MIN_PRICED_PREFILL = 64  # tokens a drafter prefill past its cached prefix needs to price prefills by
 
 
 def fixed_plan(lookup: Lookup, gamma: int, model: bool) -> Plan:
@@ -48,6 +49,7 @@ class GenerationRequest:
     ignore_eos: bool = False        # keep going past EOS (load tests, benchmarks)
     confidence_stop: bool = False   # adaptive: the drafter may end a round early (GammaController.min_confidence)
     proposer: str = ""              # "hybrid", "model" or "ngram"; "": the server's default
+    cache_salt: bytes = b""         # the prefix caches reuse only blocks kept under the same salt
 
 
 @dataclass
@@ -60,6 +62,8 @@ class Stats:
     drafted_at: list[int] = field(default_factory=list)   # [position] rounds that drafted this far
     accepted_at: list[int] = field(default_factory=list)  # [position] ... and had it accepted
     prefill_ms: float = 0.0      # the verifier's prefill (with the first token when speculating), the proposer's
+    prefix_cached_tokens: int = 0        # prompt tokens the verifier took from its prefix cache
+    draft_prefix_cached_tokens: int = 0  # ... and the drafter, of the prompt and first token
     first_token_ms: float = 0.0  # from the start until the first token was decided
     draft_ms: float = 0.0
     verify_ms: float = 0.0
@@ -205,7 +209,9 @@ class SpeculativeEngine:
         #    time: on the same cores each model's thread team oversubscribed them (the
         #    default pair's speculative prefill took a median 2.9 s on Spec-Bench
         #    against 0.69 s for the target's alone).
-        self.verifier.start_session(g.session_id, g.request.prompt_ids, g.timeout())
+        g.stats.prefix_cached_tokens = self.verifier.start_session(
+            g.session_id, g.request.prompt_ids, g.timeout(), g.request.cache_salt) or 0
+        self.metrics.observe_prefix("target", len(g.request.prompt_ids), g.stats.prefix_cached_tokens)
         if g.proposer is not None:
             # The session caches all but the prompt's last token; the forward over it is
             # the rest of the prefill, and its token is the first (not a round).
@@ -227,25 +233,36 @@ class SpeculativeEngine:
         request = g.request
         g.controller = GammaController(request.gamma_max, self.gamma_priors.start(request.sampling),
                                        load=self.load) if request.adaptive else None
-        if (g.controller is not None and g.proposer.drafts_with_model
-                and not g.controller.prefill_pays(len(g.context), request.max_new_tokens - 1)):
-            self._without_model(g, f"drafting was not expected to save what the drafter's prefill of the "
-                                   f"{len(g.context)}-token prompt costs (with {g.controller.calls():.1f} calls "
-                                   "sharing each verifier forward)")
-            if g.proposer is None:
-                return
+        if g.controller is not None and g.proposer.drafts_with_model:
+            # What is left to prefill: the drafter's prefix cache may hold the prompt's start.
+            uncached = len(g.context) - g.proposer.cached_prefix(g.context)
+            if not g.controller.prefill_pays(uncached, request.max_new_tokens - 1):
+                self._without_model(g, f"drafting was not expected to save what the drafter's prefill of the "
+                                       f"{len(g.context)}-token prompt ({uncached} of them not in its prefix cache) "
+                                       f"costs (with {g.controller.calls():.1f} calls sharing each verifier forward)")
+                if g.proposer is None:
+                    return
         # 3. The proposer's prefill: the prompt and the first token.
-        prefilled = time.perf_counter()
+        started = time.perf_counter()
         g.proposer.start(g.session_id, g.context)
         try:
             g.proposer.ready()
         except ProposerUnavailable as exc:
             self._fall_back(g, exc)
         finally:
-            prefill_ms = (time.perf_counter() - prefilled) * 1e3
+            prefill_ms = (time.perf_counter() - started) * 1e3
             g.stats.prefill_ms += prefill_ms
-        if g.proposer is not None and g.controller is not None and g.proposer.drafts_with_model:
-            g.controller.state.cost.observe_draft_prefill(len(g.context), prefill_ms)
+        if g.proposer is None:
+            return
+        g.stats.draft_prefix_cached_tokens = cached = g.proposer.prefix_cached_tokens
+        if g.proposer.drafts_with_model:
+            self.metrics.observe_prefix("draft", len(g.context), cached)
+        prefilled = len(g.context) - cached
+        if (g.controller is not None and g.proposer.drafts_with_model
+                and (not cached or prefilled >= MIN_PRICED_PREFILL)):
+            # Priced per token prefilled (what the prefix cache supplied cost next to nothing);
+            # a few tokens past a cached prefix time the call's fixed cost, not the prefill.
+            g.controller.state.cost.observe_draft_prefill(prefilled, prefill_ms)
 
     @staticmethod
     def _without_model(g: "Generation", why: str) -> None:
@@ -353,6 +370,9 @@ class SpeculativeEngine:
                     draft_bytes=result.draft_bytes)
                 self._record(record, stats, controller)
                 span.set_attributes(record.span_attributes())
+                if record.index == 0:  # what the prefills before it took from the prefix caches
+                    span.set_attributes({"specdec.prefix_cached_tokens": stats.prefix_cached_tokens,
+                                         "specdec.draft.prefix_cached_tokens": stats.draft_prefix_cached_tokens})
             yield new_tokens
 
     def _observe_load(self, reply):

@@ -28,6 +28,15 @@ class Metrics:
         self.in_flight = Gauge("specdec_requests_in_flight", "Generate calls being served", registry=r)
         self.backend_up = Gauge("specdec_backend_up", "1 while the backend answers its health checks",
                                 ["backend"], registry=r)
+        # Prefix caching: the hit rate is prefix_cached_tokens / prompt_tokens, per model.
+        self.prompt_tokens = Counter("specdec_prefill_prompt_tokens", "Prompt tokens a model service's sessions "
+                                     "started with, by model (target, draft)", ["model"], registry=r)
+        self.prefix_cached_tokens = Counter("specdec_prefix_cached_tokens", "Of them, those taken from the "
+                                            "service's prefix cache instead of prefilled", ["model"], registry=r)
+        self.prefix_cache_blocks = Gauge("specdec_prefix_cache_blocks", "KV blocks the backend's prefix cache "
+                                         "holds (from its Info)", ["backend"], registry=r)
+        self.prefix_cache_tokens = Gauge("specdec_prefix_cache_tokens", "Tokens those blocks hold", ["backend"],
+                                         registry=r)
         self.round_seconds = Histogram("specdec_round_seconds", "Round latency (draft + verify)", registry=r,
                                        buckets=(.005, .01, .025, .05, .1, .2, .3, .5, .75, 1, 2, 5))
         self.gamma = Histogram("specdec_gamma", "Draft tokens asked for per round", registry=r,
@@ -81,6 +90,14 @@ class Metrics:
         if verify_rows:
             self.verify_batch_rows.observe(verify_rows)
             self.verify_queue_seconds.observe(verify_queue_ms / 1e3)
+
+    def observe_prefix(self, model: str, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.prefix_cached_tokens.labels(model).inc(cached_tokens)
+
+    def observe_info(self, backend: str, info) -> None:
+        self.prefix_cache_blocks.labels(backend).set(info.prefix_cache_blocks)
+        self.prefix_cache_tokens.labels(backend).set(info.prefix_cache_tokens)
 
     def observe_request(self, output_tokens: int, seconds: float, finish_reason: str) -> None:
         self.output_tokens.inc(output_tokens)

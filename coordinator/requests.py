@@ -2,6 +2,8 @@
 messages a person can act on, and stats/deltas back to proto."""
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass
 
 from specdec.rpc.errors import InvalidArgument
@@ -19,6 +21,7 @@ PROPOSER_KINDS = {coordinator_pb2.PROPOSER_KIND_UNSPECIFIED: "",
                   **{coordinator_pb2.ProposerKind.Value(f"PROPOSER_KIND_{name.upper()}"): name for name in KINDS}}
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
 MAX_CHAT_MESSAGES = 4096  # a conversation's turns; its size in tokens is bounded by the context anyway
 
 
@@ -154,8 +157,20 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
         raise InvalidArgument(f"speculation.proposer={request.speculation.proposer} is not a ProposerKind")
     confidence_stop = adaptive and (not request.speculation.HasField("confidence_stop")
                                     or request.speculation.confidence_stop)
+    if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(f"cache_salt has {len(request.cache_salt)} characters; at most "
+                              f"{MAX_CACHE_SALT_CHARS} (a hash of what should keep caches apart is enough)")
     return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop, adaptive, request.ignore_eos,
-                             confidence_stop, PROPOSER_KINDS[request.speculation.proposer])
+                             confidence_stop, PROPOSER_KINDS[request.speculation.proposer],
+                             request.cache_salt.encode("utf-8"))
+
+
+def prefix_salt(request_salt: bytes, caller: str, shared: bool) -> bytes:
+    """What the model services' prefix caches key a request's blocks under: its own
+    cache_salt, and (unless the server shares its cache across callers) who called,
+    so one caller cannot time another's prompts."""
+    parts = [request_salt] if shared else [caller.encode("utf-8"), request_salt]
+    return hashlib.sha256(b"\0".join(parts)).digest() if any(parts) else b""
 
 
 def stats_to_proto(stats: Stats) -> coordinator_pb2.GenerationStats:
@@ -207,4 +222,6 @@ def response_attributes(update: Update) -> dict:
     return {"gen_ai.usage.output_tokens": stats.output_tokens,
             "gen_ai.response.finish_reasons": [reason.name.lower()] if reason is not None else [],
             "specdec.rounds": stats.rounds, "specdec.draft_tokens": stats.draft_tokens,
-            "specdec.accepted_tokens": stats.accepted_tokens}
+            "specdec.accepted_tokens": stats.accepted_tokens,
+            "specdec.prefix_cached_tokens": stats.prefix_cached_tokens,
+            "specdec.draft.prefix_cached_tokens": stats.draft_prefix_cached_tokens}

@@ -6,7 +6,7 @@ import logging
 import threading
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -30,8 +30,8 @@ from coordinator.gamma import CostModel
 from coordinator.metrics import Metrics
 from coordinator.proposers import KINDS
 from coordinator.settings import DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P
-from coordinator.requests import (Limits, max_token_chars, request_attributes, response_attributes, to_domain,
-                                  update_to_proto)
+from coordinator.requests import (Limits, max_token_chars, prefix_salt, request_attributes, response_attributes,
+                                  to_domain, update_to_proto)
 
 log = logging.getLogger("coordinator")
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -71,6 +71,7 @@ class CoordinatorConfig:
     # the default from `scripts/draft_truncation.py`: acceptance against bytes).
     draft_truncation: Truncation = Truncation(top_k=DEFAULT_DRAFT_TOP_K, top_p=DEFAULT_DRAFT_TOP_P)
     lookup_history_tokens: int = 0  # recent outputs searched by a caller's lookups (0: none)
+    share_prefix_cache: bool = False  # callers reuse each other's cached prompt prefixes (with auth on)
     # False: adaptive γ plans on the services' published cost curves alone and never
     # learns from measured rounds, so it decides alike on every machine (tests pin
     # the services' curves too, and get the same γ wherever they run).
@@ -130,6 +131,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 draft_ms=list(info.forward_ms), draft_prefill_ms_per_token=info.prefill_ms_per_token))
         for name, watch in (("verifier", backends.verifier_watch), ("drafter", backends.drafter_watch)):
             if watch is not None:
+                watch.on_info(lambda info, name=name: self.metrics.observe_info(name, info))
                 gauge = self.metrics.backend_up.labels(name)
                 gauge.set(1)
                 watch.on_change(lambda up, gauge=gauge: gauge.set(int(up)))
@@ -170,7 +172,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         model = RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint, timeout,
                                     self.config.drafter_timeout_s, self.config.draft_truncation,
                                     keep_alive_s=ttl / 4 if ttl > 0 else DEFAULT_KEEP_ALIVE_S,
-                                    is_up=lambda: self.backends.drafter_up)
+                                    is_up=lambda: self.backends.drafter_up, cache_salt=domain.cache_salt)
         return kind.build(model, recent), ""
 
     def _proposer_failed(self, exc: ProposerUnavailable) -> None:
@@ -222,8 +224,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     return None
                 return remaining
             request_id = uuid.uuid4().hex
-            proposer, fallback = self._proposer(domain, timeout, caller_identity(context)) \
-                if domain.gamma_max > 0 else (None, "")
+            caller = caller_identity(context)
+            domain = replace(domain, cache_salt=prefix_salt(domain.cache_salt, caller,
+                                                            self.config.share_prefix_cache))
+            proposer, fallback = self._proposer(domain, timeout, caller) if domain.gamma_max > 0 else (None, "")
             last = None
             for last in self.engine.generate(domain, proposer, timeout, lambda: not context.is_active(), request_id,
                                              fallback):

@@ -47,6 +47,11 @@ SETTINGS: tuple[Setting, ...] = (
                                            "callers are one): what a lookup drafts shows in timing and stats (0, "
                                            "the default: none; each request still searches its own prompt and "
                                            "output)"), up=True, chart=True),
+    S("--share-prefix-cache", dict(default="off", choices=("off", "on"),
+                                   help="let authenticated callers reuse each other's cached prompt prefixes in the "
+                                        "model services (a hit shows in timing, so by default each caller's blocks "
+                                        "are keyed by its identity; requests still keep apart by cache_salt; "
+                                        "without auth, all callers are one)"), up=True),
     S("--host", dict(default="127.0.0.1", help="bind address"), chart=True),
     S("--port", dict(type=int, default=50051), chart=True),
     S("--gamma", dict(default="auto", type=parse_gamma,

@@ -39,8 +39,9 @@ class ScriptedVerifier:
         self.ended: list[str] = []
         self.drafted_rows: list[int] = []
 
-    def start_session(self, session_id, prompt_ids, timeout=None):
+    def start_session(self, session_id, prompt_ids, timeout=None, cache_salt=b""):
         self.sessions[session_id] = list(prompt_ids)
+        return 0
 
     def decode(self, session_id, num_tokens, sampling, timeout=None) -> Decoded:
         context = self.sessions[session_id]

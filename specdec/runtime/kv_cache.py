@@ -62,6 +62,7 @@ class SequenceCache:
     def __init__(self, loaded: "LoadedModel", prompt_ids: Sequence[int], pool: "KVPool | None" = None):
         self.loaded = loaded
         self.tokens: list[int] = [int(t) for t in prompt_ids]
+        self.cache_salt = b""  # what the prefix cache keys this session's blocks under
         # The lean forward's static buffer where the model has one; transformers' cache otherwise.
         self.cache = loaded.lean.new_cache(pool) if loaded.lean else DynamicCache(config=loaded.model.config)
 

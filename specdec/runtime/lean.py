@@ -72,6 +72,20 @@ class StaticKVCache:
         """Keep the first `max_length` positions (negative: drop that many), as DynamicCache.crop."""
         self.length = max(self.length + max_length, 0) if max_length < 0 else min(self.length, max_length)
 
+    def block(self, start: int, end: int) -> torch.Tensor:
+        """A copy of positions start..end: [layers, 2, kv_heads, end - start, head_dim]."""
+        assert 0 <= start < end <= self.length, (start, end, self.length)
+        return self.buffer[:, :, :, start:end].clone()
+
+    def load_blocks(self, blocks: list[torch.Tensor], block_tokens: int) -> None:
+        """Fill an empty cache with these blocks' positions, in order (a cached prefix)."""
+        assert self.length == 0, self.length
+        self.reserve(len(blocks) * block_tokens)
+        for b, kv in enumerate(blocks):
+            assert kv.shape == (*self.shape[:3], block_tokens, self.shape[4]), (kv.shape, self.shape)
+            self.buffer[:, :, :, b * block_tokens:(b + 1) * block_tokens] = kv
+        self.length = len(blocks) * block_tokens
+
     def reserve(self, length: int) -> None:
         capacity = self.buffer.shape[3]
         if length <= capacity:

@@ -16,6 +16,7 @@ from specdec.runtime.cost_curve import CostCurve, LiveCurve, RowCost, pinned_cur
 from specdec.spec.limits import MAX_PROPOSE_TOKENS, validate_token_ids
 from specdec.runtime.kv_cache import PREFILL_CHUNK, SequenceCache, Steps
 from specdec.runtime.kv_pool import KVPool
+from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.models import LoadedModel
 from specdec.rpc.security import ServerTls, refuse_if_exposed
 from specdec.rpc.serving import RunningServer, start_server
@@ -44,7 +45,7 @@ class ModelServiceBase(Generic[S]):
 
     def __init__(self, loaded: LoadedModel, new_session: Callable[..., S], store: SessionStore[S],
                  pool: KVPool | None = None, scheduler: Scheduler | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, prefix: PrefixCache | None = None):
         self.loaded = loaded
         self.sessions = store
         self._new_session = new_session  # (loaded, prompt, pool, prefill=False) -> S
@@ -54,6 +55,7 @@ class ModelServiceBase(Generic[S]):
         self.pool = pool
         self.scheduler = scheduler or new_scheduler(loaded)
         self.prefill_chunk = prefill_chunk
+        self.prefix = prefix  # prompts' KV blocks kept for later sessions (None: off)
 
     def run_call(self, steps: Steps[T]) -> tuple[T, common_pb2.BatchStats]:
         """A call's steps through the scheduler: its forwards batched with other
@@ -87,7 +89,14 @@ class ModelServiceBase(Generic[S]):
             pending_calls=self.scheduler.pending_calls,
             kv_tokens_used=self.pool.used_tokens if self.pool else 0,
             kv_tokens_budget=self.pool.budget_tokens if self.pool else 0, session_ttl_s=self.sessions.ttl_s,
-            kernel_choices=kernels.choices())
+            kernel_choices=kernels.choices(), **self._prefix_info())
+
+    def _prefix_info(self) -> dict[str, int]:
+        if self.prefix is None:
+            return {}
+        stats = self.prefix.stats()
+        return dict(prefix_cache_blocks=stats.blocks, prefix_cache_tokens=stats.tokens,
+                    prefix_cache_query_tokens=stats.query_tokens, prefix_cache_hit_tokens=stats.hit_tokens)
 
     def GetTokenizer(self, request, context) -> common_pb2.TokenizerFiles:
         if self._tokenizer_files is None:
@@ -103,16 +112,29 @@ class ModelServiceBase(Generic[S]):
                 f"prompt has {len(prompt)} tokens; the context window of {self.loaded.name} is "
                 f"{self.loaded.max_context}, leaving no room to generate")
         validate_token_ids(prompt, self.loaded.vocab_size, "prompt_token_ids")
-        session = self.sessions.create(request.session_id, lambda: self._prefilled(prompt))
+        salt = bytes(request.cache_salt)
+        reused = [0]
+        session = self.sessions.create(request.session_id, lambda: self._prefilled(prompt, salt, reused))
         return common_pb2.StartSessionResponse(
             session_id=request.session_id, cached_tokens=session.seq.cached,
-            tokenizer_fingerprint=self.loaded.fingerprint)
+            tokenizer_fingerprint=self.loaded.fingerprint, prefix_cached_tokens=reused[0])
 
-    def _prefilled(self, prompt: list[int]) -> S:
-        # In chunks, through the scheduler: other sessions' rounds go on between them.
+    def _prefilled(self, prompt: list[int], salt: bytes, reused: list[int]) -> S:
         session = self._new_session(self.loaded, prompt, self.pool, prefill=False)
+        session.seq.cache_salt = salt
+        if self.prefix is not None:
+            reused[0] = self.prefix.attach(session.seq, salt)
+        # The rest in chunks, through the scheduler: other sessions' rounds go on between them.
         self.run_call(session.seq.prefill_steps(self.prefill_chunk))
+        if self.prefix is not None:
+            self.prefix.store(session.seq, salt)
         return session
+
+    def MatchPrefix(self, request, context) -> common_pb2.MatchPrefixResponse:
+        prompt = list(request.prompt_token_ids)
+        validate_token_ids(prompt, self.loaded.vocab_size, "prompt_token_ids")
+        cached = self.prefix.match(prompt, bytes(request.cache_salt)) if self.prefix is not None else 0
+        return common_pb2.MatchPrefixResponse(cached_tokens=cached)
 
     @contextmanager
     def session(self, session_id: str) -> Iterator[S]:
@@ -132,6 +154,10 @@ class ModelServiceBase(Generic[S]):
         return common_pb2.KeepAliveResponse(existed=self.sessions.touch(request.session_id))
 
     def EndSession(self, request, context) -> common_pb2.EndSessionResponse:
+        if self.prefix is not None:  # what it cached stays for later sessions: a chat's next turn
+            with self.sessions.use_if_idle(request.session_id) as session:
+                if session is not None:
+                    self.prefix.store(session.seq, session.seq.cache_salt)
         return common_pb2.EndSessionResponse(existed=self.sessions.remove(request.session_id))
 
 
@@ -229,7 +255,8 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
                 max_sessions: int = 256, tls: ServerTls | None = None, uds: str | None = None,
                 cost_curve_rows: int = 0, kv_cache_mb: float = 0.0, prefill_chunk: int = PREFILL_CHUNK,
                 max_batch_rows: int = MAX_BATCH_ROWS, cost_curve: CostCurve | None = None,
-                auth_token: str | None = None, prefill_weights: str = "dense") -> RunningServer:
+                auth_token: str | None = None, prefill_weights: str = "dense",
+                prefix_cache: str = "on") -> RunningServer:
     """Start a model service; it reports SERVING only once the model is warm.
     `cost_curve`: publish this curve instead of timing one at warm-up (None: the
     one the environment pins, else timed over `cost_curve_rows` rows)."""
@@ -242,7 +269,8 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
     store.start_reaper()
     pool = kv_pool(loaded, kv_cache_mb)
     scheduler = new_scheduler(loaded, max_batch_rows)
-    servicer = servicer_cls(loaded, session_cls, store, pool, scheduler, prefill_chunk)
+    prefix = PrefixCache(pool) if pool is not None and prefix_cache == "on" else None
+    servicer = servicer_cls(loaded, session_cls, store, pool, scheduler, prefill_chunk, prefix)
     # A worker per session and a few spare, so health checks are answered under full load.
     running = start_server(lambda server: add_to_server(servicer, server), [service_name], host=host, port=port,
                            max_workers=max_sessions + 8, tls=tls, uds=uds, auth_token=auth_token)
@@ -260,8 +288,9 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
         if not pinned:  # a pinned curve stays as given (tests, policy comparisons)
             servicer.follow_forwards()
     if pool is not None:
-        log.info("%s: KV cache pool of %d tokens (%.0f MiB); batches of up to %d rows, prefill chunks of %d",
-                 service_name, pool.budget_tokens, pool.budget_tokens * pool.token_bytes / 2**20, max_batch_rows,
-                 prefill_chunk)
+        log.info("%s: KV cache pool of %d tokens (%.0f MiB); batches of up to %d rows, prefill chunks of %d; "
+                 "prefix cache %s", service_name, pool.budget_tokens, pool.budget_tokens * pool.token_bytes / 2**20,
+                 max_batch_rows, prefill_chunk,
+                 f"on ({prefix.block_tokens}-token blocks, within the pool)" if prefix else "off")
     running.set_serving(True)
     return running

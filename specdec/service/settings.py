@@ -60,6 +60,11 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
                                 help="dense: keep a bf16 copy of the quantized layers' weights for calls of many rows "
                                      "(prefills), so they run as plain matmuls (about 2 bytes a weight more memory, "
                                      "logged at start); unpack: de-quantize each layer per call instead"), up=True),
+    S("--prefix-cache", dict(default="on", choices=("on", "off"),
+                             help="keep the KV of prompts' full 16-token blocks for later sessions with the same "
+                                  "prefix and cache salt (a chat's next turn, a shared system prompt), within the KV "
+                                  "pool: given back, least recently used first, when sessions need the room"),
+      up=True),
     S("--max-batch-rows", dict(type=int, default=512,
                                help="most rows in one batched forward (within it, the cost curve sizes each batch)"),
       up=True),

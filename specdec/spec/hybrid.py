@@ -46,6 +46,13 @@ class HybridProposer(Proposer):
         if self.model is not None:
             self.model.ready()
 
+    @property
+    def prefix_cached_tokens(self) -> int:
+        return self.model.prefix_cached_tokens if self.model is not None else 0
+
+    def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
+        return self.model.cached_prefix(prompt_ids) if self.model is not None else 0
+
     def keep_alive(self) -> None:
         if self.model is not None:
             self.model.keep_alive()

@@ -123,6 +123,7 @@ class Proposer(abc.ABC):
 
     drafts_with_model = True  # propose(n > 0) runs a draft model (costs forwards)
     looks_up = False          # `lookup` may find free drafts
+    prefix_cached_tokens = 0  # after ready(): prompt tokens its model took from a prefix cache, not prefilled
 
     @abc.abstractmethod
     def start(self, session_id: str, prompt_ids: Sequence[int]) -> None: ...
@@ -130,6 +131,11 @@ class Proposer(abc.ABC):
     def ready(self) -> None:
         """Block until the session `start` opened is usable; raise if it is not.
         (Called before the first round, whatever γ that round gets.)"""
+
+    def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
+        """Leading tokens of `prompt_ids` that `start` would not have to prefill
+        (its model's prefix cache holds them); 0 where unknown."""
+        return 0
 
     def lookup(self, context: Sequence[int], max_tokens: int) -> Lookup:
         """A free draft for the round after `context` (the prompt and every token

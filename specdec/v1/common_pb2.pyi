@@ -21,7 +21,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "dtype", "device", "quantization", "vocab_size", "model_vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "active_sessions", "max_propose_tokens", "forward_ms", "prefill_ms_per_token", "forwards", "forward_rows", "pending_calls", "kv_tokens_used", "kv_tokens_budget", "session_ttl_s", "kernel_choices")
+    __slots__ = ("model", "dtype", "device", "quantization", "vocab_size", "model_vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "active_sessions", "max_propose_tokens", "forward_ms", "prefill_ms_per_token", "forwards", "forward_rows", "pending_calls", "kv_tokens_used", "kv_tokens_budget", "session_ttl_s", "kernel_choices", "prefix_cache_blocks", "prefix_cache_tokens", "prefix_cache_query_tokens", "prefix_cache_hit_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,10 @@ class ModelInfo(_message.Message):
     KV_TOKENS_BUDGET_FIELD_NUMBER: _ClassVar[int]
     SESSION_TTL_S_FIELD_NUMBER: _ClassVar[int]
     KERNEL_CHOICES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -62,7 +66,11 @@ class ModelInfo(_message.Message):
     kv_tokens_budget: int
     session_ttl_s: float
     kernel_choices: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., vocab_size: _Optional[int] = ..., model_vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_propose_tokens: _Optional[int] = ..., forward_ms: _Optional[_Iterable[float]] = ..., prefill_ms_per_token: _Optional[float] = ..., forwards: _Optional[int] = ..., forward_rows: _Optional[int] = ..., pending_calls: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_budget: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., kernel_choices: _Optional[_Iterable[str]] = ...) -> None: ...
+    prefix_cache_blocks: int
+    prefix_cache_tokens: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., vocab_size: _Optional[int] = ..., model_vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_propose_tokens: _Optional[int] = ..., forward_ms: _Optional[_Iterable[float]] = ..., prefill_ms_per_token: _Optional[float] = ..., forwards: _Optional[int] = ..., forward_rows: _Optional[int] = ..., pending_calls: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_budget: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., kernel_choices: _Optional[_Iterable[str]] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class BatchStats(_message.Message):
     __slots__ = ("forwards", "rows", "max_rows", "queue_ms", "pending_calls", "calls")
@@ -110,22 +118,40 @@ class GetTokenizerRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids")
+    __slots__ = ("session_id", "prompt_token_ids", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
-    __slots__ = ("session_id", "cached_tokens", "tokenizer_fingerprint")
+    __slots__ = ("session_id", "cached_tokens", "tokenizer_fingerprint", "prefix_cached_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cached_tokens: int
     tokenizer_fingerprint: str
-    def __init__(self, session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    prefix_cached_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., prefix_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class MatchPrefixRequest(_message.Message):
+    __slots__ = ("prompt_token_ids", "cache_salt")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: bytes
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+
+class MatchPrefixResponse(_message.Message):
+    __slots__ = ("cached_tokens",)
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cached_tokens: int
+    def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -50,6 +50,11 @@ class DrafterStub:
                 request_serializer=specdec_dot_v1_dot_common__pb2.StartSessionRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_common__pb2.StartSessionResponse.FromString,
                 _registered_method=True)
+        self.MatchPrefix = channel.unary_unary(
+                '/specdec.v1.Drafter/MatchPrefix',
+                request_serializer=specdec_dot_v1_dot_common__pb2.MatchPrefixRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_common__pb2.MatchPrefixResponse.FromString,
+                _registered_method=True)
         self.Propose = channel.unary_unary(
                 '/specdec.v1.Drafter/Propose',
                 request_serializer=specdec_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
@@ -83,6 +88,12 @@ class DrafterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StartSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MatchPrefix(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -124,6 +135,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.StartSession,
                     request_deserializer=specdec_dot_v1_dot_common__pb2.StartSessionRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_common__pb2.StartSessionResponse.SerializeToString,
+            ),
+            'MatchPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.MatchPrefix,
+                    request_deserializer=specdec_dot_v1_dot_common__pb2.MatchPrefixRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_common__pb2.MatchPrefixResponse.SerializeToString,
             ),
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
@@ -222,6 +238,33 @@ class Drafter:
             '/specdec.v1.Drafter/StartSession',
             specdec_dot_v1_dot_common__pb2.StartSessionRequest.SerializeToString,
             specdec_dot_v1_dot_common__pb2.StartSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MatchPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Drafter/MatchPrefix',
+            specdec_dot_v1_dot_common__pb2.MatchPrefixRequest.SerializeToString,
+            specdec_dot_v1_dot_common__pb2.MatchPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,11 @@ class VerifierStub:
                 request_serializer=specdec_dot_v1_dot_common__pb2.StartSessionRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_common__pb2.StartSessionResponse.FromString,
                 _registered_method=True)
+        self.MatchPrefix = channel.unary_unary(
+                '/specdec.v1.Verifier/MatchPrefix',
+                request_serializer=specdec_dot_v1_dot_common__pb2.MatchPrefixRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_common__pb2.MatchPrefixResponse.FromString,
+                _registered_method=True)
         self.Verify = channel.unary_unary(
                 '/specdec.v1.Verifier/Verify',
                 request_serializer=specdec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
@@ -88,6 +93,12 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StartSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MatchPrefix(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,6 +146,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.StartSession,
                     request_deserializer=specdec_dot_v1_dot_common__pb2.StartSessionRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_common__pb2.StartSessionResponse.SerializeToString,
+            ),
+            'MatchPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.MatchPrefix,
+                    request_deserializer=specdec_dot_v1_dot_common__pb2.MatchPrefixRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_common__pb2.MatchPrefixResponse.SerializeToString,
             ),
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
@@ -238,6 +254,33 @@ class Verifier:
             '/specdec.v1.Verifier/StartSession',
             specdec_dot_v1_dot_common__pb2.StartSessionRequest.SerializeToString,
             specdec_dot_v1_dot_common__pb2.StartSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MatchPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Verifier/MatchPrefix',
+            specdec_dot_v1_dot_common__pb2.MatchPrefixRequest.SerializeToString,
+            specdec_dot_v1_dot_common__pb2.MatchPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

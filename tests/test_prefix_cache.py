@@ -1,0 +1,217 @@
+"""The prefix cache: keys that name whole prefixes, sessions built on cached blocks
+giving a cold prefill's logits, salts that keep callers apart, eviction within the
+KV pool's budget; and through the services, the same greedy output with it on
+and off, alone and with eight clients sharing a system prompt."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import drafter.service
+import verifier.service
+from specdec.rpc.errors import ResourceExhausted
+from specdec.runtime import lean
+from specdec.runtime.kv_cache import SequenceCache
+from specdec.runtime.kv_pool import KVPool
+from specdec.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys
+from specdec.v1 import common_pb2, coordinator_pb2
+from tests.conftest import coordinator_stub
+
+B = BLOCK_TOKENS
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [(37 * i + 11 * seed + 5) % 480 + 3 for i in range(n)]
+
+
+def test_a_key_names_its_whole_prefix_under_its_salt():
+    a, b = prompt(3 * B), prompt(3 * B)
+    b[B + 2] += 1  # differs in the second block
+    ka, kb = block_keys(a, b"", 3), block_keys(b, b"", 3)
+    assert ka[0] == kb[0] and ka[1] != kb[1] and ka[2] != kb[2]  # the third block's ids agree; its prefix does not
+    assert not set(block_keys(a, b"other", 3)) & set(ka)
+    assert block_keys(a, b"", 2) == ka[:2]
+
+
+def cold_logits(model, ids: list[int]) -> torch.Tensor:
+    seq = SequenceCache(model, ids[:-1])
+    seq.prefill()
+    return seq.forward(ids[-1:], keep_last=1)
+
+
+def test_a_session_on_cached_blocks_gives_a_cold_prefills_logits(tiny_target):
+    pool = KVPool(4096, tiny_target.lean.token_bytes())
+    cache = PrefixCache(pool)
+    system = prompt(5 * B + 7)
+    first = SequenceCache(tiny_target, system + prompt(9, seed=1), pool)
+    assert cache.attach(first, b"") == 0
+    first.prefill()
+    assert cache.store(first, b"") == (len(first) - 1) // B
+    follow_up = system + prompt(30, seed=2)                  # the same system prompt, another question
+    second = SequenceCache(tiny_target, follow_up[:-1], pool)
+    assert cache.match(follow_up[:-1], b"") == 5 * B and cache.attach(second, b"") == 5 * B
+    second.prefill()
+    got = second.forward(follow_up[-1:], keep_last=1)
+    # fp32; the cached positions were computed in another chunk of rows than a cold prefill's.
+    assert torch.allclose(got, cold_logits(tiny_target, follow_up), atol=1e-4)
+    assert got.argmax() == cold_logits(tiny_target, follow_up).argmax()
+    stats = cache.stats()
+    assert stats.hit_tokens == 5 * B and stats.blocks * B == stats.tokens
+
+
+def test_another_salt_finds_nothing(tiny_target):
+    pool = KVPool(4096, tiny_target.lean.token_bytes())
+    cache = PrefixCache(pool)
+    seq = SequenceCache(tiny_target, prompt(4 * B + 1), pool)
+    seq.prefill()
+    cache.store(seq, b"alice")
+    assert cache.match(prompt(4 * B + 1), b"alice") == 4 * B
+    assert cache.match(prompt(4 * B + 1), b"bob") == 0 and cache.match(prompt(4 * B + 1), b"") == 0
+
+
+def test_blocks_stay_within_the_pool_and_make_room_for_sessions_least_recently_used_first(tiny_target):
+    chunk = lean.CHUNK
+    pool = KVPool(2 * chunk, tiny_target.lean.token_bytes())
+    cache = PrefixCache(pool)
+    kept = []
+    for seed in range(2):  # two prompts' blocks, then the sessions end
+        seq = SequenceCache(tiny_target, prompt(4 * B + 1, seed=10 + seed), pool)
+        seq.prefill()
+        cache.store(seq, b"")
+        kept.append(prompt(4 * B + 1, seed=10 + seed))
+        del seq
+    assert cache.stats().blocks == 8 and pool.used_tokens == 8 * B
+    cache.match(kept[0], b"")  # a lookup alone does not count as a use
+    live = SequenceCache(tiny_target, prompt(4 * B + 1, seed=10), pool)
+    assert cache.attach(live, b"") == 4 * B                       # the first prompt is now the most recent
+    # A session growing to the whole pool takes every block no session is copying.
+    live.cache.reserve(2 * chunk)
+    assert pool.used_tokens <= pool.budget_tokens and cache.stats().blocks == 0
+    assert cache.stats().evicted_blocks == 8
+    # The live session's copy is its own: what it attached is still there.
+    assert live.cached == 4 * B
+    with pytest.raises(ResourceExhausted):
+        SequenceCache(tiny_target, prompt(8), pool).cache.reserve(1)
+
+
+def test_a_full_pool_keeps_the_earlier_blocks_of_a_prefix_and_evicts_later_ones_first(tiny_target):
+    pool = KVPool(lean.CHUNK + 3 * B, tiny_target.lean.token_bytes())
+    cache = PrefixCache(pool)
+    seq = SequenceCache(tiny_target, prompt(6 * B + 1), pool)   # holds a page of CHUNK tokens
+    seq.prefill()
+    assert cache.store(seq, b"") == 3                              # room for three of its six blocks
+    assert cache.match(prompt(6 * B + 1), b"") == 3 * B
+    assert cache.evict(B) == B and cache.match(prompt(6 * B + 1), b"") == 2 * B  # the third went first
+
+
+def test_blocks_being_copied_are_never_given_back(tiny_target):
+    pool = KVPool(4096, tiny_target.lean.token_bytes())
+    cache = PrefixCache(pool)
+    seq = SequenceCache(tiny_target, prompt(2 * B + 1), pool)
+    seq.prefill()
+    cache.store(seq, b"")
+    copying, release = threading.Event(), threading.Event()
+    target = SequenceCache(tiny_target, prompt(2 * B + 1), pool)
+    load = target.cache.load_blocks
+
+    def slow_load(blocks, block_tokens):
+        copying.set()
+        release.wait(5)
+        load(blocks, block_tokens)
+    target.cache.load_blocks = slow_load
+    worker = threading.Thread(target=cache.attach, args=(target, b""))
+    worker.start()
+    assert copying.wait(5)
+    assert cache.evict(10 * B) == 0  # both blocks are referenced while they are copied
+    release.set()
+    worker.join(5)
+    assert target.cached == 2 * B and cache.evict(10 * B) == 2 * B
+
+
+def generate(stub, ids, **extra):
+    return stub.Generate(coordinator_pb2.GenerateRequest(
+        token_ids=coordinator_pb2.TokenIds(ids=ids), max_new_tokens=12, **extra))
+
+
+@pytest.fixture(scope="module")
+def cached_and_cold(tiny_draft, tiny_target):
+    """Two drafter-verifier pairs, one with prefix caching, one without."""
+    servers = {mode: (drafter.service.serve(tiny_draft, prefix_cache=mode),
+                      verifier.service.serve(tiny_target, prefix_cache=mode)) for mode in ("on", "off")}
+    yield {mode: {"drafter": f"127.0.0.1:{d.port}", "verifier": f"127.0.0.1:{v.port}"}
+           for mode, (d, v) in servers.items()}
+    for pair in servers.values():
+        for server in pair:
+            server.stop(0)
+
+
+def test_greedy_speculation_is_the_same_with_the_cache_on_and_off_and_a_second_turn_reuses_the_first(cached_and_cold):
+    system = prompt(6 * B)
+    first_turn = system + prompt(20, seed=3)
+    outputs = {}
+    for mode, backends in cached_and_cold.items():
+        with coordinator_stub(**backends, gamma=3) as stub:
+            one = generate(stub, first_turn)
+            second_turn = [*first_turn, *one.token_ids, *prompt(10, seed=4)]
+            two = generate(stub, second_turn)
+            target_only = generate(stub, second_turn, speculation=coordinator_pb2.Speculation(enabled=False))
+            outputs[mode] = (list(one.token_ids), list(two.token_ids))
+            assert list(two.token_ids) == list(target_only.token_ids)
+            if mode == "on":  # the first turn's prompt, at least (its answer is kept when its sessions end)
+                assert two.stats.prefix_cached_tokens >= (len(first_turn) - 1) // B * B
+                assert two.stats.draft_prefix_cached_tokens >= (len(first_turn) - 1) // B * B
+            else:
+                assert two.stats.prefix_cached_tokens == 0 == two.stats.draft_prefix_cached_tokens
+    assert outputs["on"] == outputs["off"]
+
+
+def test_a_cache_salt_keeps_requests_apart(cached_and_cold):
+    ids = prompt(5 * B, seed=7)
+    with coordinator_stub(**cached_and_cold["on"], gamma=2) as stub:
+        generate(stub, ids, cache_salt="tenant-a")
+        assert generate(stub, ids, cache_salt="tenant-b").stats.prefix_cached_tokens == 0
+        assert generate(stub, ids, cache_salt="tenant-a").stats.prefix_cached_tokens >= 4 * B
+
+
+def test_eight_clients_sharing_a_system_prompt_get_target_only_greedy_output(cached_and_cold):
+    system = prompt(8 * B, seed=5)
+    questions = [system + prompt(6 + i, seed=20 + i) for i in range(8)]
+    with coordinator_stub(**cached_and_cold["on"], gamma=3) as stub:
+        expected = [list(generate(stub, q, speculation=coordinator_pb2.Speculation(enabled=False)).token_ids)
+                    for q in questions]
+        results: list = [None] * 8
+
+        def run(i):
+            results[i] = generate(stub, questions[i])
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert [list(r.token_ids) for r in results] == expected
+    assert all(r.stats.prefix_cached_tokens >= len(system) - B for r in results)
+
+
+def test_info_reports_the_cache_and_an_ended_session_leaves_what_it_generated(cached_and_cold):
+    import grpc
+    from specdec.v1 import verifier_pb2, verifier_pb2_grpc
+    with grpc.insecure_channel(cached_and_cold["on"]["verifier"]) as ch:
+        stub = verifier_pb2_grpc.VerifierStub(ch)
+        ids = prompt(3 * B + 1, seed=9)
+        started = stub.StartSession(common_pb2.StartSessionRequest(session_id="info-1", prompt_token_ids=ids))
+        assert started.prefix_cached_tokens == 0 and started.cached_tokens == 3 * B
+        before = stub.Info(common_pb2.InfoRequest())
+        assert before.prefix_cache_blocks >= 3 and before.prefix_cache_tokens == before.prefix_cache_blocks * B
+        match = stub.MatchPrefix(common_pb2.MatchPrefixRequest(prompt_token_ids=ids))
+        assert match.cached_tokens == 3 * B
+        assert stub.Info(common_pb2.InfoRequest()).prefix_cache_hit_tokens == before.prefix_cache_hit_tokens
+        decoded = stub.Decode(verifier_pb2.DecodeRequest(session_id="info-1", num_tokens=2 * B))
+        stub.EndSession(common_pb2.EndSessionRequest(session_id="info-1"))
+        conversation = [*ids, *decoded.token_ids, 7]
+        # The session cached the prompt and all but its last decoded token: five full blocks.
+        assert stub.MatchPrefix(common_pb2.MatchPrefixRequest(prompt_token_ids=conversation)).cached_tokens == 5 * B
+        again = stub.StartSession(common_pb2.StartSessionRequest(session_id="info-2", prompt_token_ids=conversation))
+        assert again.prefix_cached_tokens == 5 * B and again.cached_tokens == len(conversation) - 1
+        stub.EndSession(common_pb2.EndSessionRequest(session_id="info-2"))
