@@ -12,7 +12,11 @@ after a warm-up at the highest concurrency, and again after the whole run, so a
 leak (sessions, KV caches) shows as growth. Requests refused with
 RESOURCE_EXHAUSTED (admission control, --max-sessions) are counted apart from
 errors. `--systems` runs each level once per system, interleaved: spec-auto
-(adaptive γ, the default) and target-only (speculation off) on the same stack.
+(adaptive γ, the default) and target-only (speculation off) on the same stack,
+and each of them `-cold`: every request with a cache_salt of its own, so the
+model services' prefix caches find nothing (the cache off, side by side).
+`--system-prompt-tokens N` puts the same system prompt of about N tokens before
+every request's question (agents, RAG front-ends): what prefix caching is for.
 Per level it also sums what the responses' stats say: tokens drafted and
 accepted, requests that drafted at all, and the verifier's batching (rows per
 forward its calls shared, their queue waits). Prints a table and writes load.json.
@@ -27,6 +31,7 @@ import statistics
 import sys
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 
 import grpc
@@ -50,7 +55,27 @@ PROMPTS = [
 ]
 
 
-SYSTEMS = ("spec-auto", "target-only")
+COLD = "-cold"  # a system's requests each with their own cache salt: no prefix-cache hits
+SYSTEMS = ("spec-auto", "target-only", "spec-auto" + COLD, "target-only" + COLD)
+SYSTEM_PROMPT_SENTENCES = [
+    "You are a careful assistant for a software company's internal tools.",
+    "Answer in plain language, cite the document section you rely on, and say so when you are unsure.",
+    "Never invent function names, flags or version numbers that the documents do not contain.",
+    "Prefer short answers with one example over long ones without.",
+    "The documents below describe the build system, the deployment pipeline and the on-call runbook.",
+]
+
+
+def system_prompt(tokens: int) -> str:
+    """About `tokens` tokens of a fixed system prompt (some 4 characters a token), the same every call."""
+    words, parts = 0, []
+    i = 0
+    while words * 4 // 3 < tokens:  # about 4/3 tokens an English word
+        sentence = f"{i + 1}. {SYSTEM_PROMPT_SENTENCES[i % len(SYSTEM_PROMPT_SENTENCES)]}"
+        parts.append(sentence)
+        words += len(sentence.split())
+        i += 1
+    return "\n".join(parts)
 
 
 @dataclass
@@ -96,12 +121,19 @@ class Level:
         return self.total("accepted_tokens") / drafted if drafted else 0.0
 
 
-def make_request(i: int, max_new_tokens: int, ignore_eos: bool, system: str = "spec-auto") -> pb.GenerateRequest:
+def make_request(i: int, max_new_tokens: int, ignore_eos: bool, system: str = "spec-auto",
+                 shared_prompt: str = "") -> pb.GenerateRequest:
     sampling = common_pb2.SamplingParams(temperature=0.0 if i % 2 == 0 else 0.7)
-    request = pb.GenerateRequest(prompt=PROMPTS[i % len(PROMPTS)], max_new_tokens=max_new_tokens,
-                                 ignore_eos=ignore_eos, sampling=sampling)
-    if system == "target-only":
+    request = pb.GenerateRequest(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, sampling=sampling)
+    if shared_prompt:
+        request.messages.messages.add(role="system", content=shared_prompt)
+        request.messages.messages.add(role="user", content=PROMPTS[i % len(PROMPTS)])
+    else:
+        request.prompt = PROMPTS[i % len(PROMPTS)]
+    if system.startswith("target-only"):
         request.speculation.enabled = False
+    if system.endswith(COLD):
+        request.cache_salt = uuid.uuid4().hex
     return request
 
 
@@ -122,8 +154,8 @@ def run_level(address: str, clients: int, requests: int, args: argparse.Namespac
                 return
             started = time.perf_counter()
             try:
-                response = stub.Generate(make_request(i, args.max_new_tokens, not args.stop_at_eos, system),
-                                         timeout=args.timeout)
+                response = stub.Generate(make_request(i, args.max_new_tokens, not args.stop_at_eos, system,
+                                                      args.shared_prompt), timeout=args.timeout)
             except grpc.RpcError as exc:
                 with lock:
                     if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -176,10 +208,16 @@ def compare_greedy(levels: list[Level]) -> None:
             lv.greedy_same = sum(reference[k] == lv.greedy_outputs[k] for k in shared)
 
 
+def cached_share(level: Level, name: str) -> str:
+    prompt = level.total("prompt_tokens")
+    return f"{level.total(name) / prompt:.0%}" if prompt else "-"
+
+
 def print_table(levels: list[Level], rss: dict) -> None:
     print("| system | clients | requests | ok | refused | errors | p50 s | p99 s | max s | tok/s | x 1 client | "
-          "req/s | drafted reqs | acceptance | verify rows/fwd | verify queue s/req | greedy as at first level |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "req/s | drafted reqs | acceptance | verify rows/fwd | verify queue s/req | greedy as at first level | "
+          "prompt tokens | prefix-cached (target, draft) | first token ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     alone = {lv.system: lv.tokens_per_s for lv in levels if lv.clients == 1}
     for lv in levels:
         errors = sum(lv.errors.values())
@@ -188,7 +226,9 @@ def print_table(levels: list[Level], rss: dict) -> None:
               f"{lv.latency_p50_s:.3f} | {lv.latency_p99_s:.3f} | {lv.latency_max_s:.3f} | {lv.tokens_per_s:.1f} | "
               f"{ratio} | {lv.requests_per_s:.2f} | {lv.drafted_requests} | {lv.acceptance:.2f} | "
               f"{lv.mean('verify_batch_rows'):.1f} | {lv.mean('verify_queue_ms') / 1e3:.2f} | "
-              f"{f'{lv.greedy_same}/{lv.greedy_compared}' if lv.greedy_same >= 0 else '-'} |")
+              f"{f'{lv.greedy_same}/{lv.greedy_compared}' if lv.greedy_same >= 0 else '-'} | "
+              f"{lv.mean('prompt_tokens'):.0f} | {cached_share(lv, 'prefix_cached_tokens')}, "
+              f"{cached_share(lv, 'draft_prefix_cached_tokens')} | {lv.mean('first_token_ms'):.0f} |")
         for example in lv.error_examples:
             print(f"  error: {example}")
     if rss:
@@ -213,6 +253,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=-1,
                    help="requests at the highest concurrency before the levels (default: that many clients)")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--system-prompt-tokens", type=int, default=0,
+                   help="the same system prompt of about N tokens before every question (0: none)")
     p.add_argument("--stop-at-eos", action="store_true", help="let requests end at EOS (default: fixed length)")
     p.add_argument("--max-sessions", type=int, help="the coordinator's admission limit, when this starts it")
     p.add_argument("--threads", type=int, default=0, help="torch threads per model service, when this starts them")
@@ -224,6 +266,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.levels = [int(x) for x in args.clients.split(",")]
     if not all(1 <= n <= 256 for n in args.levels):
         p.error("--clients takes counts between 1 and 256")
+    args.shared_prompt = system_prompt(args.system_prompt_tokens) if args.system_prompt_tokens > 0 else ""
     args.system_list = [x for x in args.systems.split(",") if x]
     unknown = [x for x in args.system_list if x not in SYSTEMS]
     if unknown or not args.system_list:

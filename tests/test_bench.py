@@ -148,3 +148,24 @@ def test_the_default_questions_are_the_dev_half_beside_the_checkout():
     from specdec_tools.bench.data import DEFAULT_QUESTIONS
     root = pathlib.Path(__file__).resolve().parent.parent
     assert DEFAULT_QUESTIONS.resolve() == (root.parent / "shared/data/spec_bench/questions_dev.jsonl").resolve()
+
+
+@integration
+def test_second_turns_reuse_the_first_from_the_prefix_caches_and_match_their_cold_twins(tmp_path):
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS))
+    out = tmp_path / "out"
+    assert bench.main(["--pair", "tiny", "--quick", "--questions", str(questions), "--categories", "writing",
+                       "--gammas", "2", "--no-hf", "--no-model-only", "--turns", "2", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    rows = {(r["system"], r["turn"]): r for r in report["turns"]}
+    assert set(rows) == {(s, t) for s in ("spec-g2", "spec-auto", "target-only") for t in (1, 2)} | {
+        (s + "-cold", 2) for s in ("spec-g2", "spec-auto", "target-only")}
+    for system in ("spec-g2", "spec-auto", "target-only"):
+        first, second, cold = rows[(system, 1)], rows[(system, 2)], rows[(system + "-cold", 2)]
+        assert second["prompt_tokens"] > first["prompt_tokens"]  # the first answer is in the history
+        assert second["prefix_cached_tokens"] >= 16 and cold["prefix_cached_tokens"] == 0
+        assert second["greedy_same_as_cold"] == "1/1"   # the cache changes no greedy token
+        assert second["prefill_vs_cold"] > 0 and second["first_token_vs_cold"] > 0
+    assert len(report["turn_runs"]) == 2 * 2 * 3        # warm and cold, both temperatures, three systems
+    assert "## MT-bench, first and second turns" in (out / "bench.md").read_text()

@@ -54,3 +54,15 @@ def test_systems_run_interleaved_per_level_with_drafting_batching_and_greedy_col
     # Greedy prompts 0 and 2 ran alone at the first level and again under load; the fp32 tiny pair agrees.
     assert all(lv["greedy_compared"] == 2 and lv["greedy_same"] == 2 for lv in report["levels"][2:])
     assert report["levels"][1]["drafted_requests"] == 0  # target-only never drafts
+
+
+def test_a_shared_system_prompt_is_prefilled_once_and_cold_requests_prefill_it_each_time(tmp_path):
+    report = run_load(tmp_path, "--clients", "4", "--per-client", "2", "--systems", "target-only,target-only-cold",
+                      "--system-prompt-tokens", "120", "--max-new-tokens", "8", "--warmup", "0")
+    warm, cold = report["levels"]
+    assert (warm["system"], cold["system"]) == ("target-only", "target-only-cold")
+    assert warm["ok"] == cold["ok"] == 8 and warm["errors"] == cold["errors"] == {}
+    assert warm["mean_stats"]["prompt_tokens"] > 100
+    # All but the first requests (which ran at once, before any block was kept) find the system prompt.
+    assert warm["mean_stats"]["prefix_cached_tokens"] >= 64
+    assert cold["mean_stats"].get("prefix_cached_tokens", 0) == 0  # (a field no response set is not summed)

@@ -215,3 +215,19 @@ def test_info_reports_the_cache_and_an_ended_session_leaves_what_it_generated(ca
         again = stub.StartSession(common_pb2.StartSessionRequest(session_id="info-2", prompt_token_ids=conversation))
         assert again.prefix_cached_tokens == 5 * B and again.cached_tokens == len(conversation) - 1
         stub.EndSession(common_pb2.EndSessionRequest(session_id="info-2"))
+
+
+def test_a_hit_with_no_room_beside_its_blocks_prefills_cold_and_the_pool_takes_them_back(tiny_target):
+    chunk = lean.CHUNK
+    pool = KVPool(2 * chunk, tiny_target.lean.token_bytes())
+    cache = PrefixCache(pool)
+    ids = prompt(chunk - 1)
+    first = SequenceCache(tiny_target, ids, pool)
+    first.prefill()
+    cache.store(first, b"")
+    assert pool.used_tokens > chunk + chunk // 2              # a page and most of a page of blocks
+    second = SequenceCache(tiny_target, ids, pool)
+    assert cache.attach(second, b"") == 0 and second.cached == 0  # its page does not fit beside its blocks
+    second.prefill()                                             # the blocks make room for the cold prefill
+    assert pool.used_tokens == 2 * chunk and cache.stats().blocks == 0
+    assert torch.equal(second.forward(ids[-1:], keep_last=1), first.forward(ids[-1:], keep_last=1))

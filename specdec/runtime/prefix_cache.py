@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from specdec.rpc.errors import ResourceExhausted
+
 if TYPE_CHECKING:
     from specdec.runtime.kv_cache import SequenceCache
     from specdec.runtime.kv_pool import KVPool
@@ -119,6 +121,12 @@ class PrefixCache:
         try:
             if blocks:
                 seq.cache.load_blocks([b.kv for b in blocks], self.block_tokens)
+        except ResourceExhausted:
+            # No room for the session beside the blocks it would copy (they are held
+            # while it does): it prefills cold instead, and the pool may take them back.
+            with self._lock:
+                self._stats.hit_tokens -= len(blocks) * self.block_tokens
+            return 0
         finally:
             with self._lock:
                 for block in blocks:

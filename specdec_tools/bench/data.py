@@ -21,6 +21,7 @@ LLAMA_CPP_DRAFT = 4  # tokens per round for llama-cpp-spec
 AUTO_NOSTOP = "spec-auto-nostop"
 AUTO_MODEL = "spec-auto-model"
 REPLICA = "-replica"
+COLD = "-cold"  # a second turn again, with a cache salt of its own: no prefix-cache hits
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
 
@@ -34,6 +35,7 @@ class Question:
     question_id: str
     category: str
     prompt: str
+    second_turn: str = ""   # MT-bench's follow-up question, asked after the first answer ("" where none)
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Run:
     new_tokens: int
     seconds: float
     token_ids: list[int] = field(repr=False)
+    turn: int = 1            # 2: a second turn, the first answer in its history
     # The run's GenerationStats (specdec.v1) as JSON, field names as in the proto:
     # the services' own, or those an in-process system measures (first_token_ms).
     # A statistic added to the proto reaches runs.jsonl and bench.json as it is.
@@ -52,9 +55,9 @@ class Run:
 
     @classmethod
     def of(cls, system: str, question: Question, temperature: float, token_ids: list[int], seconds: float,
-           stats: coordinator_pb2.GenerationStats) -> "Run":
+           stats: coordinator_pb2.GenerationStats, turn: int = 1) -> "Run":
         return cls(system, question.question_id, question.category, temperature, len(token_ids), seconds,
-                   list(token_ids), json_format.MessageToDict(stats, preserving_proto_field_name=True))
+                   list(token_ids), turn, json_format.MessageToDict(stats, preserving_proto_field_name=True))
 
     def stat(self, name: str) -> float:
         """A GenerationStats field (0 where unset; 64-bit ones travel in JSON as strings)."""
@@ -81,7 +84,7 @@ class Run:
 
 def load_questions(path: pathlib.Path, categories: list[str] | None, limit: int | None,
                    per_task: int | None = None, skip: int = 0) -> list[Question]:
-    """First turns of Spec-Bench questions. `limit` applies per category;
+    """Spec-Bench questions (their first turns, and MT-bench's second). `limit` applies per category;
     `per_task` takes that many per Spec-Bench task, round-robin over the task's
     categories, and at least one of each category. `skip` passes over each
     category's first questions (a second sample of prompts)."""
@@ -92,7 +95,9 @@ def load_questions(path: pathlib.Path, categories: list[str] | None, limit: int 
             category = row["category"]
             if categories and category not in categories:
                 continue
-            by_category[category].append(Question(str(row["question_id"]), category, row["turns"][0]))
+            turns = row["turns"]
+            by_category[category].append(Question(str(row["question_id"]), category, turns[0],
+                                                  turns[1] if len(turns) > 1 else ""))
     by_category = {c: qs[skip:] for c, qs in by_category.items() if qs[skip:]}
     if per_task is not None:
         tasks: dict[str, list[list[Question]]] = defaultdict(list)

@@ -5,7 +5,7 @@ import pathlib
 import statistics
 from collections import defaultdict
 
-from specdec_tools.bench.data import (AUTO, AUTO_MODEL, BF16, HF_ASSISTED, HF_GENERATE, LLAMA_CPP, REPLICA, Run,
+from specdec_tools.bench.data import (AUTO, AUTO_MODEL, BF16, COLD, HF_ASSISTED, HF_GENERATE, LLAMA_CPP, REPLICA, Run,
                                       TARGET_ONLY, TARGET_ONLY_BF16, task_of)
 
 
@@ -165,6 +165,57 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines.append(f"| {group} | " + " | ".join(cells) + " |")
     lines += ["", f"Within 5% of the best fixed γ, Spec-Bench tasks and temperatures: auto {meta['auto_within_5pct']}"
               + (f", replica {meta['replica_within_5pct']}" if replica else "") + "."]
+    return "\n".join(lines) + "\n"
+
+
+def turn_summary(runs: list[Run]) -> list[dict]:
+    """--turns 2: per system, its first turns, its second turns as served, and the
+    same second turns cold (SYSTEM-cold: a cache salt of their own). Medians over
+    the questions and temperatures; the ratios pair each second turn with its cold twin."""
+    groups: dict[tuple[str, int], list[Run]] = defaultdict(list)
+    for run in runs:
+        groups[(run.system, run.turn)].append(run)
+    cold = {(r.system.removesuffix(COLD), r.question_id, r.temperature): r for r in runs if r.system.endswith(COLD)}
+    rows = []
+    for (system, turn), group in groups.items():
+        tokens, seconds = sum(r.new_tokens for r in group), sum(r.seconds for r in group)
+        row = dict(system=system, turn=turn, runs=len(group),
+                   prompt_tokens=round(statistics.median(r.stat("prompt_tokens") for r in group)),
+                   prefix_cached_tokens=round(statistics.median(r.stat("prefix_cached_tokens") for r in group)),
+                   draft_prefix_cached_tokens=round(statistics.median(
+                       r.stat("draft_prefix_cached_tokens") for r in group)),
+                   first_token_ms=round(statistics.median(r.first_token_ms for r in group), 1),
+                   prefill_ms=round(statistics.median(r.stat("prefill_ms") for r in group), 1),
+                   tokens_per_second=round(tokens / seconds, 3) if seconds else 0.0)
+        twins = [(r, cold[(system, r.question_id, r.temperature)]) for r in group
+                 if turn == 2 and not system.endswith(COLD) and (system, r.question_id, r.temperature) in cold]
+        if twins:
+            row["first_token_vs_cold"] = round(statistics.median(
+                r.first_token_ms / c.first_token_ms for r, c in twins if c.first_token_ms > 0), 3)
+            row["prefill_vs_cold"] = round(statistics.median(
+                r.stat("prefill_ms") / c.stat("prefill_ms") for r, c in twins if c.stat("prefill_ms") > 0), 3)
+            greedy = [(r, c) for r, c in twins if r.temperature == 0]
+            if greedy:
+                row["greedy_same_as_cold"] = f"{sum(r.token_ids == c.token_ids for r, c in greedy)}/{len(greedy)}"
+        rows.append(row)
+    rows.sort(key=lambda r: (r["system"].removesuffix(COLD), r["turn"], r["system"].endswith(COLD)))
+    return rows
+
+
+def turn_markdown(rows: list[dict]) -> str:
+    lines = ["", "## MT-bench, first and second turns", "",
+             "A second turn re-sends the first turn and its answer; the model services' prefix caches hold them. "
+             "SYSTEM-cold is the same second turn with a cache salt of its own (nothing cached). "
+             "prefill ms covers the verifier's prefill and first token and the drafter's prefill.", "",
+             "| system | turn | runs | prompt tokens | cached (target, draft) | prefill ms | first token ms | "
+             "tok/s | prefill vs cold | first token vs cold | greedy same as cold |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ratio = lambda r, key: f"{r[key]:.2f}x" if key in r else ""  # noqa: E731
+    for r in rows:
+        lines.append(f"| {r['system']} | {r['turn']} | {r['runs']} | {r['prompt_tokens']} | "
+                     f"{r['prefix_cached_tokens']}, {r['draft_prefix_cached_tokens']} | {r['prefill_ms']:.0f} | "
+                     f"{r['first_token_ms']:.0f} | {r['tokens_per_second']:.2f} | {ratio(r, 'prefill_vs_cold')} | "
+                     f"{ratio(r, 'first_token_vs_cold')} | {r.get('greedy_same_as_cold', '')} |")
     return "\n".join(lines) + "\n"
 
 

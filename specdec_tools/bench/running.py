@@ -7,6 +7,7 @@ import pathlib
 import statistics
 import sys
 import time
+import uuid
 from dataclasses import asdict
 
 from specdec_tools import launcher
@@ -14,9 +15,10 @@ from specdec.runtime import torch_thread
 from specdec.runtime.models import gguf_source, load_model
 from specdec.weights.pairs import PAIRS
 from specdec_tools.bench.data import (AUTO, AUTO_BF16, AUTO_MODEL, AUTO_NOSTOP, BF16, DEFAULT_QUESTIONS, HF_ASSISTED,
-                                      HF_GENERATE, LLAMA_CPP, LLAMA_CPP_SPEC, REPLICA, Run, TARGET_ONLY,
+                                      HF_GENERATE, LLAMA_CPP, LLAMA_CPP_SPEC, REPLICA, Run, TARGET_ONLY, COLD,
                                       TARGET_ONLY_BF16, load_questions, task_of)
-from specdec_tools.bench.report import best_gamma, chart, markdown, summarize, within
+from specdec_tools.bench.report import (best_gamma, chart, markdown, summarize, turn_markdown, turn_summary,
+                                        within)
 from specdec_tools.bench.systems import InProcessSystems, LlamaCppSystems, ServiceSystems, chat_ids
 
 
@@ -44,6 +46,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="run spec-gN twice, as spec-gN and spec-gN-replica: the run's own noise floor")
     p.add_argument("--ablate-confidence-stop", action="store_true",
                    help="also run spec-auto without the draft-confidence early stop")
+    p.add_argument("--turns", type=int, choices=(1, 2), default=1,
+                   help="2: after each service system's answer to an MT-bench question, its second turn with that "
+                        "answer in the history, as Spec-Bench runs them; and the same second turn again with a cache "
+                        "salt of its own (SYSTEM-cold: what it costs without the prefix caches)")
     p.add_argument("--quick", action="store_true",
                    help="under 5 minutes: one question of each of 3 short-prompt categories, 32 new tokens")
     p.add_argument("--threads", type=int, default=2, help="torch threads, for the services and in-process alike")
@@ -58,6 +64,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         # Short prompts, so the few tokens measure decoding rather than prefill.
         args.categories = args.categories or "coding,math_reasoning,translation"
     return args
+
+
+def second_turns(runner: ServiceSystems, system: str, question, temperature: float, seed: int, first: Run,
+                 tokenizer) -> list[Run]:
+    """The question's second turn after `first`'s answer: as served (the prefix
+    caches hold the first turn), then cold (a cache salt of its own)."""
+    messages = [{"role": "user", "content": question.prompt},
+                {"role": "assistant", "content": tokenizer.decode(first.token_ids, skip_special_tokens=True)},
+                {"role": "user", "content": question.second_turn}]
+    ids = chat_ids(tokenizer, messages)
+    return [runner.run(system, question, temperature, seed, ids, messages, turn=2),
+            runner.run(system, question, temperature, seed, ids, messages, cache_salt=uuid.uuid4().hex,
+                       label=system + COLD, turn=2)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                                head_vocab=pair.draft_head_vocab)
             in_process = InProcessSystems(target, draft, args.max_new_tokens)
         runs: list[Run] = []
+        turn_runs: list[Run] = []  # --turns 2: first turns, and the second turns after them
         prompts = {q: chat_ids(target.tokenizer, q.prompt) for q in questions}
         llama = None
         if args.llama_cpp:
@@ -128,6 +148,15 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append(run)
                     progress.write(json.dumps(asdict(run)) + "\n")
                     progress.flush()
+                    if args.turns == 2 and question.second_turn and runner in (services, bf16_services):
+                        turn_runs.append(run)
+                        for second in second_turns(runner, system, question, temperature, args.seed + qi, run,
+                                                   target.tokenizer):
+                            turn_runs.append(second)
+                            progress.write(json.dumps(asdict(second)) + "\n")
+                            say(f"  second turn, {second.system}: {second.stat('prompt_tokens'):.0f} prompt tokens "
+                                f"({second.stat('prefix_cached_tokens'):.0f} cached), first token in "
+                                f"{second.first_token_ms:.0f} ms")
                     say(f"[{len(runs)}/{total} {time.perf_counter() - started:.0f} s] {question.category} "
                         f"q{question.question_id} T={temperature:g} "
                         f"{system}: {run.new_tokens} tokens in {run.seconds:.1f} s "
@@ -150,9 +179,11 @@ def main(argv: list[str] | None = None) -> int:
                 median_tokens_per_second={s: statistics.median(r.tokens_per_second for r in runs if r.system == s)
                                           for s in systems})
     args.out.mkdir(parents=True, exist_ok=True)
+    turns = turn_summary(turn_runs) if turn_runs else []
     (args.out / "bench.json").write_text(json.dumps(
-        dict(meta=meta, summary=rows, runs=[asdict(r) for r in runs]), indent=1))
-    table = markdown(rows, meta)
+        dict(meta=meta, summary=rows, runs=[asdict(r) for r in runs], turns=turns,
+             turn_runs=[asdict(r) for r in turn_runs if r.turn == 2]), indent=1))
+    table = markdown(rows, meta) + (turn_markdown(turns) if turns else "")
     (args.out / "bench.md").write_text(table)
     chart(rows, systems, args.out / "bench.png")
     print(table)

@@ -24,10 +24,14 @@ class ServiceSystems:
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.max_new_tokens = max_new_tokens
 
-    def run(self, system: str, question: Question, temperature: float, seed: int, prompt_ids: list[int]) -> Run:
+    def run(self, system: str, question: Question, temperature: float, seed: int, prompt_ids: list[int],
+            messages: list[dict] | None = None, cache_salt: str = "", label: str = "", turn: int = 1) -> Run:
+        """`messages`: a conversation to continue instead of the question's first turn;
+        `cache_salt`: one of its own keeps the prefix caches from finding anything."""
         mode = system.removesuffix(BF16)  # the bf16 stack serves the same systems
-        request = coordinator_pb2.GenerateRequest(max_new_tokens=self.max_new_tokens)
-        request.messages.messages.add(role="user", content=question.prompt)
+        request = coordinator_pb2.GenerateRequest(max_new_tokens=self.max_new_tokens, cache_salt=cache_salt)
+        for message in messages or [{"role": "user", "content": question.prompt}]:
+            request.messages.messages.add(role=message["role"], content=message["content"])
         request.sampling.CopyFrom(common_pb2.SamplingParams(temperature=temperature, seed=seed))
         if mode == TARGET_ONLY:
             request.speculation.enabled = False
@@ -47,7 +51,7 @@ class ServiceSystems:
         stats = response.stats
         # The services and the in-process baselines must see the same prompt.
         assert stats.prompt_tokens == len(prompt_ids), (stats.prompt_tokens, len(prompt_ids))
-        return Run.of(system, question, temperature, list(response.token_ids), seconds, stats)
+        return Run.of(label or system, question, temperature, list(response.token_ids), seconds, stats, turn)
 
     def close(self) -> None:
         self.channel.close()
@@ -159,10 +163,11 @@ class _LlamaCppDraft:
         return np.array(drafted, dtype=np.intc)
 
 
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    """The coordinator's own recipe for `messages` (template as text, then encode)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+def chat_ids(tokenizer, prompt: "str | list[dict]") -> list[int]:
+    """The coordinator's own recipe for `messages` (template as text, then encode):
+    a question, or a whole conversation."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
