@@ -72,7 +72,8 @@ def test_the_int8_dynamic_layer_takes_bf16_activations_on_the_dense_path(monkeyp
 
 @pytest.mark.parametrize("make, kind", [(int4_layer, "int4"), (int8_layer, "int8")])
 def test_kept_dense_weights_give_the_unpacked_paths_output(monkeypatch, make, kind):
-    monkeypatch.setattr(kernels, "_CHOICE", {(kind, 128, 256, "prefill", 128): "dense"})
+    monkeypatch.setattr(kernels, "_CHOICE", {(kind, 128, 256, "prefill", 128): "dense",
+                                             (kind, 128, 256, "kept", 128): "dense"})
     layer = make()
     x = torch.randn(100, 256)
     unpacked = layer(x)
@@ -82,3 +83,17 @@ def test_kept_dense_weights_give_the_unpacked_paths_output(monkeypatch, make, ki
     monkeypatch.setattr(layer, "dense_weight", lambda: built.append(1))  # the kept weight is read, never rebuilt
     assert torch.equal(layer(x), unpacked) and built == []
     assert "_kept_dense" not in layer.state_dict()
+
+
+@pytest.mark.parametrize("make, kind", [(int4_layer, "int4"), (int8_layer, "int8")])
+def test_with_the_dense_weight_kept_calls_of_two_rows_or_more_are_timed_both_ways_and_one_row_never(monkeypatch, make,
+                                                                                                    kind):
+    monkeypatch.setattr(kernels, "_CHOICE", {})
+    layer = make()
+    dense_rows.keep([layer])
+    layer(torch.randn(1, 256))
+    assert kernels._CHOICE == {}                                  # a decode step runs the kernel, unasked
+    layer(torch.randn(dense_rows.MIN_KEPT_ROWS, 256))
+    layer(torch.randn(5, 256))
+    assert set(kernels._CHOICE) == {(kind, 128, 256, "kept", 2), (kind, 128, 256, "kept", 5)}
+    assert set(kernels._CHOICE.values()) <= {"kernel", "dense"}

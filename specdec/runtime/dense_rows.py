@@ -11,7 +11,11 @@ matmul runs at bf16 speed; with the dense weights kept (`keep`, the services'
 `--prefill-weights dense`), it is the matmul alone. Which is faster depends on the layer's shape, the
 rows and the machine, so it is measured: the first call of each shape and
 power-of-two row count times both (`kernels.pick`) and remembers. Below MIN_ROWS the kernel is
-always used, so decode and verify calls (γ + 1 rows) never ask.
+always used, so decode and verify calls (γ + 1 rows) do not pay an unpacking;
+with the dense weight kept there is none to pay, and every call of 2 rows or more
+(MIN_KEPT_ROWS) is timed both ways: on an AMX CPU the bf16 matmul is flat to 64
+rows and beats torch's int4 kernel from 5 rows on (docs/kernels.md), which is
+what a verify call or a short prefill past a cached prefix runs.
 """
 from __future__ import annotations
 
@@ -23,18 +27,19 @@ from torch import nn
 from specdec.runtime import kernels
 
 MIN_ROWS = 64
+MIN_KEPT_ROWS = 2  # with the dense weight kept: one row (a decode step) always runs the kernel
 CHUNK_ROWS = 512  # rows unpacked at a time: a few MB of fp32, which stays in cache
 
 
 def run(key: tuple, rows: int, few: Callable[[], torch.Tensor], many: Callable[[], torch.Tensor],
-        names: tuple[str, str] = ("kernel", "dense")) -> torch.Tensor:
+        names: tuple[str, str] = ("kernel", "dense"), kept: bool = False) -> torch.Tensor:
     """few() or many(), the same result within roundings; `key` names the layer's shape.
     The choice is kernels.pick's: timed TRIES times each (a first call pays one-off
     costs, such as oneDNN building its kernel for a new shape, that must not decide
     it), per row bucket, and reported with the other kernel choices."""
-    if rows < MIN_ROWS:
+    if rows < (MIN_KEPT_ROWS if kept else MIN_ROWS):
         return few()
-    return kernels.pick((*key, "prefill"), rows, dict(zip(names, (few, many))))
+    return kernels.pick((*key, "kept" if kept else "prefill"), rows, dict(zip(names, (few, many))))
 
 
 def unpack(rows: int, cols: int, dtype: torch.dtype,
@@ -47,6 +52,10 @@ def unpack(rows: int, cols: int, dtype: torch.dtype,
         end = min(start + CHUNK_ROWS, rows)
         out[start:end] = chunk(start, end)
     return out
+
+
+def is_kept(module: nn.Module) -> bool:
+    return "_kept_dense" in module.__dict__
 
 
 def weight(module: nn.Module, build: Callable[[], object]) -> object:

@@ -149,6 +149,10 @@ class ModelServiceBase(Generic[S]):
             except BaseException:
                 session.restore(state)
                 raise
+            if self.prefix is not None:
+                # Blocks are kept as they fill, not only when the session ends: the next
+                # turn of a chat may arrive before the coordinator's EndSession does.
+                self.prefix.store(session.seq, session.seq.cache_salt)
 
     def KeepAlive(self, request, context) -> common_pb2.KeepAliveResponse:
         return common_pb2.KeepAliveResponse(existed=self.sessions.touch(request.session_id))

@@ -165,7 +165,8 @@ class Int8WeightOnlyLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).bfloat16()
         out = dense_rows.run(("int8", self.out_features, self.in_features), flat.shape[0],
                              lambda: torch._weight_int8pack_mm(flat, self.qweight, self.scales),
-                             lambda: F.linear(flat, dense_rows.weight(self, self.dense_weight))).to(x.dtype)
+                             lambda: F.linear(flat, dense_rows.weight(self, self.dense_weight)),
+                             kept=dense_rows.is_kept(self)).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
