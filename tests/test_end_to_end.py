@@ -6,7 +6,6 @@ import concurrent.futures
 
 import pytest
 import torch
-from scipy import stats
 
 import drafter.service
 import verifier.service
@@ -15,6 +14,7 @@ from specdec.spec.sampling import SamplingConfig
 from specdec.spec.transform import scores_to_probs, transform_logits
 from specdec.v1 import common_pb2, coordinator_pb2 as pb, drafter_pb2, verifier_pb2
 from specdec.spec.wire import sampling_to_proto
+from specdec_tools.distribution import chi_square_p, exact_first_two_token_distribution, observed_outcome
 from tests.conftest import wait_for, pinned_services, coordinator_stub, model_draft_tokens
 
 PROMPTS = [
@@ -160,51 +160,6 @@ RUNS = 2000
 SAMPLING = SamplingConfig(temperature=0.8, top_k=40)
 
 
-def exact_first_two_token_distribution(loaded, prompt_ids):
-    """P(x1) and P(x1, x2) of target-only sampling, from the target model itself."""
-    with torch.inference_mode():
-        logits = loaded.model(input_ids=torch.tensor([prompt_ids])).logits[0, -1:]
-        p1 = scores_to_probs(transform_logits(logits, prompt_ids, [], SAMPLING, loaded.vocab_size))[0]
-        support = p1.nonzero()[:, 0].tolist()
-        batch = torch.tensor([prompt_ids + [x] for x in support])
-        logits2 = loaded.model(input_ids=batch).logits[:, -1]
-        p2 = torch.stack([scores_to_probs(transform_logits(logits2[i : i + 1], prompt_ids + [x], [], SAMPLING,
-                                                           loaded.vocab_size))[0] for i, x in enumerate(support)])
-    # EOS ends a generation and is not returned, so all EOS ids are one outcome.
-    eos = set(loaded.eos_token_ids)
-    label = lambda t: "EOS" if t in eos else t  # noqa: E731
-    first, joint = collections.defaultdict(float), collections.defaultdict(float)
-    for i, x1 in enumerate(support):
-        first[label(x1)] += float(p1[x1])
-        if x1 in eos:
-            joint[("EOS", None)] += float(p1[x1])
-            continue
-        for x2 in p2[i].nonzero()[:, 0].tolist():
-            joint[(x1, label(x2))] += float(p1[x1] * p2[i, x2])
-    return dict(first), dict(joint)
-
-
-def observed_outcome(response) -> tuple:
-    ids = list(response.token_ids)
-    if not ids:
-        return "EOS", ("EOS", None)
-    if len(ids) == 1:
-        assert response.finish_reason == pb.FINISH_REASON_EOS
-        return ids[0], (ids[0], "EOS")
-    return ids[0], (ids[0], ids[1])
-
-
-def chi_square_p(counts: collections.Counter, expected_probs: dict, n: int, min_expected: float = 5.0) -> float:
-    """Pearson chi-square; outcomes expected fewer than `min_expected` times share one bin."""
-    big = [k for k, p in expected_probs.items() if p * n >= min_expected]
-    observed = [counts.get(k, 0) for k in big]
-    expected = [expected_probs[k] * n for k in big]
-    observed.append(n - sum(observed))
-    expected.append(n - sum(expected))
-    assert all(k in expected_probs for k in counts), "sampled an outcome the target gives probability 0"
-    return stats.chisquare(observed, expected).pvalue
-
-
 def total_variation(counts: collections.Counter, probs: dict, n: int) -> float:
     keys = set(counts) | set(probs)
     return 0.5 * sum(abs(counts.get(k, 0) / n - probs.get(k, 0.0)) for k in keys)
@@ -216,7 +171,7 @@ def test_sampled_first_two_tokens_follow_the_target_distribution(stack, tiny_tar
     # rejection sampler must still see exactly each session's own logits.
     prompt = "Hello, world! How are"
     prompt_ids = tiny_target.tokenizer.encode(prompt)
-    p1, joint = exact_first_two_token_distribution(tiny_target, prompt_ids)
+    p1, joint = exact_first_two_token_distribution(tiny_target, prompt_ids, SAMPLING)
     first, pairs = collections.Counter(), collections.Counter()
 
     def one(seed: int):
@@ -241,7 +196,7 @@ def test_sampled_first_two_tokens_follow_the_target_distribution(stack, tiny_tar
     assert chi_square_p(pairs, joint, RUNS) > 1e-3
     # Power: the samples sit much closer to the target's distribution than to the
     # draft's, so a sampler that leaked draft tokens would be noticed.
-    draft_p1, _ = exact_first_two_token_distribution(tiny_draft, prompt_ids)
+    draft_p1, _ = exact_first_two_token_distribution(tiny_draft, prompt_ids, SAMPLING)
     tv_target, tv_draft = total_variation(first, p1, RUNS), total_variation(first, draft_p1, RUNS)
     assert tv_target < 0.06 and tv_draft > 2 * tv_target, (tv_target, tv_draft)
 

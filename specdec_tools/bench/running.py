@@ -53,6 +53,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="under 5 minutes: one question of each of 3 short-prompt categories, 32 new tokens")
     p.add_argument("--threads", type=int, default=2, help="torch threads, for the services and in-process alike")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="the services' device (on cuda the pair's int4 target is served in its dtype)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"))
     args = p.parse_args(argv)
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         systems += [HF_GENERATE, HF_ASSISTED]
     say = lambda message: print(f"bench: {message}", file=sys.stderr, flush=True)  # noqa: E731
     launcher.pull_models([pair.draft, pair.target], say=say)
-    options = launcher.StackOptions.for_pair(pair, port=0, threads=args.threads)
+    options = launcher.StackOptions.for_pair(pair, port=0, threads=args.threads, device=args.device)
     stack = launcher.Stack(options)
     stacks = [stack]
     started = time.perf_counter()
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         if AUTO_BF16 in systems:
             say("starting the bf16 stack (bf16 target)")
             stacks.append(launcher.Stack(launcher.StackOptions.for_pair(
-                pair, port=0, threads=args.threads, target_quantize="none")))
+                pair, port=0, threads=args.threads, target_quantize="none", device=args.device)))
             bf16_services = ServiceSystems(stacks[-1].launch().address, args.max_new_tokens)
         target = load_model(pair.target, dtype=pair.target_dtype)
         in_process = None

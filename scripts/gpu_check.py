@@ -1,0 +1,162 @@
+#!/usr/bin/env python
+"""The GPU path's checks in one run, one table (scripts/gpu_check.sh runs this):
+
+  1. the device found;
+  2. the tiny pair through the real services (`specdec up` as a subprocess stack)
+     on --device: greedy speculative output equal to target-only on 3 prompts;
+  3. the qwen-coder pair the same (bf16 target, INT8 draft on CUDA; on the CPU the
+     pair's own int4 target), skipped with --quick;
+  4. 2,000 sampled runs of the tiny pair: the first two tokens against the
+     target's exact distribution (chi-square, p > 1e-3);
+  5. a 4-prompt `specdec bench` of spec-auto against target-only on qwen-coder
+     (tok/s, acceptance, time to first token), skipped with --quick.
+
+Every check runs whatever the others did; a failure prints its traceback under
+the table. Installs nothing. Exit status 1 if any check failed.
+
+  python scripts/gpu_check.py --device cuda
+  python scripts/gpu_check.py --device cpu --quick     # what CI runs
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import json
+import pathlib
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PROMPTS = ["def fibonacci(n):", "The weather today is sunny and", "Explain what a hash table is."]
+CHI_PROMPT, CHI_RUNS = "Hello, world! How are", 2000
+
+
+def device_found(device: str) -> str:
+    import torch
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda, but torch sees no CUDA device")
+        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    return f"no CUDA device: the checks run with --device cpu (torch {torch.__version__})"
+
+
+def stack(pair: str, device: str):
+    from specdec.weights.pairs import PAIRS
+    from specdec_tools import launcher
+    options = launcher.StackOptions.for_pair(PAIRS[pair], port=0, device=device, gamma="4")
+    launcher.pull_models([options.draft_model, options.target_model])
+    return launcher.Stack(options)
+
+
+def generate(stub, prompt: str, speculate: bool, max_new_tokens: int = 24, **sampling):
+    from specdec.v1 import common_pb2, coordinator_pb2 as pb
+    request = pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens,
+                                 sampling=common_pb2.SamplingParams(**sampling))
+    request.speculation.enabled = speculate
+    return stub.Generate(request, timeout=600)
+
+
+def greedy_equal(pair: str, device: str) -> str:
+    from specdec.rpc.serving import channel
+    from specdec.v1 import coordinator_pb2_grpc
+    running = stack(pair, device)
+    try:
+        address = running.launch().address
+        with channel(address) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            drafted = 0
+            for prompt in PROMPTS:
+                spec, target = generate(stub, prompt, True), generate(stub, prompt, False)
+                if list(spec.token_ids) != list(target.token_ids):
+                    raise AssertionError(f"greedy output differs from target-only on {prompt!r}: "
+                                         f"{list(spec.token_ids)} vs {list(target.token_ids)}")
+                drafted += spec.stats.draft_tokens
+    finally:
+        running.stop()
+    return f"{len(PROMPTS)}/{len(PROMPTS)} prompts identical, {drafted} tokens drafted"
+
+
+def chi_square(device: str) -> str:
+    from specdec.rpc.serving import channel
+    from specdec.runtime.models import load_model
+    from specdec.spec.sampling import SamplingConfig
+    from specdec.v1 import coordinator_pb2_grpc
+    from specdec_tools.distribution import chi_square_p, exact_first_two_token_distribution, observed_outcome
+    sampling = SamplingConfig(temperature=0.8, top_k=40)
+    target = load_model("tiny-target", device=device)
+    p1, joint = exact_first_two_token_distribution(target, target.tokenizer.encode(CHI_PROMPT), sampling)
+    running = stack("tiny", device)
+    try:
+        with channel(running.launch().address) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                responses = list(pool.map(lambda seed: generate(
+                    stub, CHI_PROMPT, True, 3, temperature=0.8, top_k=40, seed=seed), range(CHI_RUNS)))
+    finally:
+        running.stop()
+    first, pairs = collections.Counter(), collections.Counter()
+    for r in responses:
+        x1, pair = observed_outcome(r)
+        first[x1] += 1
+        pairs[pair] += 1
+    p_first, p_pairs = chi_square_p(first, p1, CHI_RUNS), chi_square_p(pairs, joint, CHI_RUNS)
+    accepted = sum(r.stats.accepted_tokens for r in responses) / max(1, sum(r.stats.draft_tokens for r in responses))
+    if min(p_first, p_pairs) <= 1e-3:
+        raise AssertionError(f"sampled output is not the target's: p = {p_first:.2g} (first), {p_pairs:.2g} (pairs)")
+    return f"p = {p_first:.3f} (first token), {p_pairs:.3f} (pairs); acceptance {accepted:.2f}"
+
+
+def bench(device: str) -> str:
+    from specdec_tools.bench import running
+    out = pathlib.Path(tempfile.mkdtemp(prefix="gpu_check_bench_"))
+    argv = ["--pair", "qwen-coder", "--categories", "coding,writing,math_reasoning,translation", "--limit", "1",
+            "--gammas", "", "--no-hf", "--no-bf16", "--no-model-only", "--temperatures", "0",
+            "--max-new-tokens", "64", "--out", str(out)]
+    if running.main(argv + ["--device", device]) != 0:
+        raise RuntimeError("specdec bench failed")
+    rows = {r["system"]: r for r in json.loads((out / "bench.json").read_text())["summary"] if r["category"] == "all"}
+    auto, target = rows["spec-auto"], rows["target-only"]
+    return (f"spec-auto {auto['tokens_per_second']:.2f} tok/s ({auto.get('speedup_vs_target_only', 0):.2f}x), "
+            f"acceptance {auto.get('acceptance_rate', 0):.2f}, first token {auto.get('first_token_ms', 0):.0f} ms; "
+            f"target-only {target['tokens_per_second']:.2f} tok/s, first token {target.get('first_token_ms', 0):.0f} ms; "
+            f"greedy identical {auto.get('greedy_identical', '-')}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    parser.add_argument("--quick", action="store_true", help="the tiny pair's checks only")
+    args = parser.parse_args()
+    checks = [("device", lambda: device_found(args.device)),
+              ("tiny pair, greedy = target-only", lambda: greedy_equal("tiny", args.device))]
+    if not args.quick:
+        checks.append(("qwen-coder pair, greedy = target-only", lambda: greedy_equal("qwen-coder", args.device)))
+    checks.append((f"chi-square, {CHI_RUNS} sampled runs", lambda: chi_square(args.device)))
+    if not args.quick:
+        checks.append(("bench, 4 prompts: spec-auto vs target-only", lambda: bench(args.device)))
+    rows, failures = [], []
+    for name, check in checks:
+        started = time.perf_counter()
+        try:
+            result, ok = check(), "ok"
+        except Exception:
+            result, ok = traceback.format_exc().strip().splitlines()[-1], "FAILED"
+            failures.append((name, traceback.format_exc()))
+        rows.append((name, ok, f"{time.perf_counter() - started:.0f}", result))
+        print(f"gpu_check: {name}: {ok}", file=sys.stderr, flush=True)
+    print(f"\n| check ({args.device}) | result | s | detail |\n|---|---|---|---|")
+    for name, ok, seconds, detail in rows:
+        print(f"| {name} | {ok} | {seconds} | {detail} |")
+    for name, trace in failures:
+        print(f"\n### {name}\n\n```\n{trace}```")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
