@@ -210,7 +210,7 @@ class SpeculativeEngine:
         #    default pair's speculative prefill took a median 2.9 s on Spec-Bench
         #    against 0.69 s for the target's alone).
         g.stats.prefix_cached_tokens = self.verifier.start_session(
-            g.session_id, g.request.prompt_ids, g.timeout(), g.request.cache_salt) or 0
+            g.session_id, g.request.prompt_ids, g.timeout(), g.request.cache_salt)
         self.metrics.observe_prefix("target", len(g.request.prompt_ids), g.stats.prefix_cached_tokens)
         if g.proposer is not None:
             # The session caches all but the prompt's last token; the forward over it is

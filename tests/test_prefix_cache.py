@@ -41,6 +41,14 @@ def cold_logits(model, ids: list[int]) -> torch.Tensor:
     return seq.forward(ids[-1:], keep_last=1)
 
 
+def stored(model, ids: list[int], cache: PrefixCache, salt: bytes = b"") -> SequenceCache:
+    """A session prefilled over `ids`, its blocks kept under `salt`."""
+    seq = SequenceCache(model, ids, cache.pool)
+    seq.prefill()
+    cache.store(seq, salt)
+    return seq
+
+
 def test_a_session_on_cached_blocks_gives_a_cold_prefills_logits(tiny_target):
     pool = KVPool(4096, tiny_target.lean.token_bytes())
     cache = PrefixCache(pool)
@@ -64,9 +72,7 @@ def test_a_session_on_cached_blocks_gives_a_cold_prefills_logits(tiny_target):
 def test_another_salt_finds_nothing(tiny_target):
     pool = KVPool(4096, tiny_target.lean.token_bytes())
     cache = PrefixCache(pool)
-    seq = SequenceCache(tiny_target, prompt(4 * B + 1), pool)
-    seq.prefill()
-    cache.store(seq, b"alice")
+    stored(tiny_target, prompt(4 * B + 1), cache, b"alice")
     assert cache.match(prompt(4 * B + 1), b"alice") == 4 * B
     assert cache.match(prompt(4 * B + 1), b"bob") == 0 and cache.match(prompt(4 * B + 1), b"") == 0
 
@@ -77,11 +83,8 @@ def test_blocks_stay_within_the_pool_and_make_room_for_sessions_least_recently_u
     cache = PrefixCache(pool)
     kept = []
     for seed in range(2):  # two prompts' blocks, then the sessions end
-        seq = SequenceCache(tiny_target, prompt(4 * B + 1, seed=10 + seed), pool)
-        seq.prefill()
-        cache.store(seq, b"")
         kept.append(prompt(4 * B + 1, seed=10 + seed))
-        del seq
+        stored(tiny_target, kept[-1], cache)
     assert cache.stats().blocks == 8 and pool.used_tokens == 8 * B
     cache.match(kept[0], b"")  # a lookup alone does not count as a use
     live = SequenceCache(tiny_target, prompt(4 * B + 1, seed=10), pool)
@@ -109,9 +112,7 @@ def test_a_full_pool_keeps_the_earlier_blocks_of_a_prefix_and_evicts_later_ones_
 def test_blocks_being_copied_are_never_given_back(tiny_target):
     pool = KVPool(4096, tiny_target.lean.token_bytes())
     cache = PrefixCache(pool)
-    seq = SequenceCache(tiny_target, prompt(2 * B + 1), pool)
-    seq.prefill()
-    cache.store(seq, b"")
+    stored(tiny_target, prompt(2 * B + 1), cache)
     copying, release = threading.Event(), threading.Event()
     target = SequenceCache(tiny_target, prompt(2 * B + 1), pool)
     load = target.cache.load_blocks
@@ -222,12 +223,27 @@ def test_a_hit_with_no_room_beside_its_blocks_prefills_cold_and_the_pool_takes_t
     pool = KVPool(2 * chunk, tiny_target.lean.token_bytes())
     cache = PrefixCache(pool)
     ids = prompt(chunk - 1)
-    first = SequenceCache(tiny_target, ids, pool)
-    first.prefill()
-    cache.store(first, b"")
+    first = stored(tiny_target, ids, cache)
     assert pool.used_tokens > chunk + chunk // 2              # a page and most of a page of blocks
     second = SequenceCache(tiny_target, ids, pool)
     assert cache.attach(second, b"") == 0 and second.cached == 0  # its page does not fit beside its blocks
     second.prefill()                                             # the blocks make room for the cold prefill
     assert pool.used_tokens == 2 * chunk and cache.stats().blocks == 0
     assert torch.equal(second.forward(ids[-1:], keep_last=1), first.forward(ids[-1:], keep_last=1))
+
+
+def test_keys_kept_between_stores_follow_a_rollback_and_new_tokens(tiny_target):
+    pool = KVPool(4096, tiny_target.lean.token_bytes())
+    cache = PrefixCache(pool)
+    seq = stored(tiny_target, prompt(3 * B + 1), cache)
+    seq.forward(prompt(2 * B, seed=4), keep_last=1)             # drafts filling two more blocks
+    cache.store(seq, b"")
+    seq.truncate(3 * B + 4)                                       # rejected: back into the fourth block
+    seq.forward(prompt(2 * B, seed=5), keep_last=1)               # other tokens there
+    cache.store(seq, b"")
+    blocks = seq.cached // B
+    assert seq.block_keys[2] == block_keys(seq.tokens, b"", blocks)  # the same keys as hashed afresh
+    again = SequenceCache(tiny_target, seq.tokens[:blocks * B + 1], pool)
+    assert cache.attach(again, b"") == blocks * B
+    assert torch.allclose(again.forward([], keep_last=1),
+                          cold_logits(tiny_target, seq.tokens[:blocks * B + 1]), atol=1e-4)

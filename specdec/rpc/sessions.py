@@ -83,20 +83,6 @@ class SessionStore(Generic[T]):
             finally:
                 entry.last_used = self._clock()
 
-    @contextmanager
-    def use_if_idle(self, session_id: str) -> Iterator[T | None]:
-        """The session's state held for a moment if no call holds it now, else None
-        (what ends a session must not wait behind a call still running on it)."""
-        with self._lock:
-            entry = self._entries.get(session_id)
-        if entry is None or not entry.lock.acquire(blocking=False):
-            yield None
-            return
-        try:
-            yield entry.value if self._entries.get(session_id) is entry else None
-        finally:
-            entry.lock.release()
-
     def touch(self, session_id: str) -> bool:
         """Renew a session's time to live without waiting for a call that holds it."""
         with self._lock:

@@ -63,6 +63,8 @@ class SequenceCache:
         self.loaded = loaded
         self.tokens: list[int] = [int(t) for t in prompt_ids]
         self.cache_salt = b""  # what the prefix cache keys this session's blocks under
+        # The prefix cache's keys of its first full blocks, with their salt and tokens (prefix_cache).
+        self.block_keys: tuple[bytes | None, list[int], list[bytes]] = (None, [], [])
         # The lean forward's static buffer where the model has one; transformers' cache otherwise.
         self.cache = loaded.lean.new_cache(pool) if loaded.lean else DynamicCache(config=loaded.model.config)
 

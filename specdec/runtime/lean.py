@@ -162,10 +162,8 @@ class _Layer:
     def linears(self) -> list[nn.Module]:
         """The projections this layer's forward calls (a fused one, not its parts)."""
         qkv = [self.qkv] if self.qkv is not None else [self.q_proj, self.k_proj, self.v_proj]
-        mlp = [self.gate_up] if self.gate_up is not None else \
-            [m for m in (getattr(self.mlp, "gate_proj", None), getattr(self.mlp, "up_proj", None)) if m is not None]
-        down = getattr(self.mlp, "down_proj", None)
-        return [*qkv, self.o_proj, *mlp, *([down] if down is not None else [self.mlp])]
+        mlp = [self.gate_up, self.mlp.down_proj] if self.gate_up is not None else [self.mlp]
+        return [*qkv, self.o_proj, *mlp]
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:

@@ -43,12 +43,14 @@ if TYPE_CHECKING:
 BLOCK_TOKENS = 16
 
 
-def block_keys(tokens: Sequence[int], salt: bytes, blocks: int, block_tokens: int = BLOCK_TOKENS) -> list[bytes]:
-    """The keys of the first `blocks` full blocks of `tokens`, each naming its whole prefix."""
+def block_keys(tokens: Sequence[int], salt: bytes, blocks: int, block_tokens: int = BLOCK_TOKENS,
+               known: Sequence[bytes] = ()) -> list[bytes]:
+    """The keys of the first `blocks` full blocks of `tokens`, each naming its whole
+    prefix; `known`: those of its first blocks already worked out (under this salt)."""
     assert blocks * block_tokens <= len(tokens), (blocks, len(tokens))
-    parent = hashlib.blake2b(b"specdec-prefix\0" + salt, digest_size=16).digest()
-    keys = []
-    for b in range(blocks):
+    keys = list(known[:blocks])
+    parent = keys[-1] if keys else hashlib.blake2b(b"specdec-prefix\0" + salt, digest_size=16).digest()
+    for b in range(len(keys), blocks):
         ids = tokens[b * block_tokens:(b + 1) * block_tokens]
         parent = hashlib.blake2b(parent + b"".join(int(t).to_bytes(4, "little") for t in ids),
                                  digest_size=16).digest()
@@ -72,17 +74,14 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, pool: "KVPool | None", block_tokens: int = BLOCK_TOKENS, max_tokens: int | None = None):
+    def __init__(self, pool: "KVPool", block_tokens: int = BLOCK_TOKENS):
         assert block_tokens > 0, block_tokens
-        assert pool is not None or max_tokens is not None, "a prefix cache needs a bound: a pool or max_tokens"
         self.pool = pool
         self.block_tokens = block_tokens
-        self.max_tokens = max_tokens
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()   # least recently used first
         self._lock = threading.Lock()
         self._stats = PrefixStats()
-        if pool is not None:
-            pool.reclaim = self.evict
+        pool.reclaim = self.evict
 
     def stats(self) -> PrefixStats:
         with self._lock:
@@ -109,7 +108,7 @@ class PrefixCache:
         """Copy the longest cached prefix of an empty session's prompt into its KV
         cache; returns the tokens copied (its prefill then starts past them)."""
         assert seq.cached == 0, seq.cached
-        keys = block_keys(seq.tokens, salt, self._usable_blocks(seq.tokens), self.block_tokens)
+        keys = self._session_keys(seq, salt, self._usable_blocks(seq.tokens))
         with self._lock:
             blocks = [self._blocks[k] for k in keys[:self._found(keys)]]
             for key in reversed(keys[:len(blocks)]):       # the first block ends most recently used
@@ -133,43 +132,55 @@ class PrefixCache:
                     block.refs -= 1
         return seq.cached
 
+    def _session_keys(self, seq: "SequenceCache", salt: bytes, blocks: int) -> list[bytes]:
+        """block_keys of a session's first blocks. A session is stored after every
+        call, so the keys of the blocks whose tokens have not changed since (rollback
+        only moves the end) are taken from the last time instead of hashed again."""
+        known_salt, known_tokens, known = seq.block_keys
+        same = 0
+        if known_salt == salt:
+            step = self.block_tokens
+            while same < len(known) and seq.tokens[same * step:(same + 1) * step] == \
+                    known_tokens[same * step:(same + 1) * step]:
+                same += 1
+        keys = block_keys(seq.tokens, salt, blocks, self.block_tokens, known[:same])
+        seq.block_keys = (salt, seq.tokens[:blocks * self.block_tokens], keys)
+        return keys
+
     def store(self, seq: "SequenceCache", salt: bytes) -> int:
         """Keep the full blocks of a session's cached tokens that are not kept yet
         (as far as the pool has room); returns how many blocks were added."""
-        blocks = seq.cached // self.block_tokens
-        keys = block_keys(seq.tokens, salt, blocks, self.block_tokens)
-        added = 0
+        keys = self._session_keys(seq, salt, seq.cached // self.block_tokens)
+        keep, added = set(keys), 0
         with self._lock:
             for b, key in enumerate(keys):
                 if key in self._blocks:
                     continue
-                if not self._room(set(keys)):
+                if not self._room(keep):
                     break
                 start = b * self.block_tokens
                 self._blocks[key] = _Block(seq.cache.block(start, start + self.block_tokens))
                 added += 1
-            for key in reversed(keys):
-                if key in self._blocks:
-                    self._blocks.move_to_end(key)
+            if added:
+                for key in reversed(keys):                   # the first block ends most recently used
+                    if key in self._blocks:
+                        self._blocks.move_to_end(key)
         return added
 
     def _room(self, keep: set[bytes]) -> bool:
         """Room for one more block: the pool's free tokens, else this cache's least
         recently used block that is not in `keep` (the prefix being stored)."""
-        while True:
-            full = self.max_tokens is not None and (len(self._blocks) + 1) * self.block_tokens > self.max_tokens
-            if not full and (self.pool is None or self.pool.take(self.block_tokens)):
-                return True
+        while not self.pool.take(self.block_tokens):
             victim = next((k for k, b in self._blocks.items() if b.refs == 0 and k not in keep), None)
             if victim is None:
                 return False
             self._drop(victim)
+        return True
 
     def _drop(self, key: bytes) -> None:
         del self._blocks[key]
         self._stats.evicted_blocks += 1
-        if self.pool is not None:
-            self.pool.give(self.block_tokens)
+        self.pool.give(self.block_tokens)
 
     def evict(self, tokens: int) -> int:
         """Give back at least `tokens` of the pool (if this cache holds that many that
@@ -182,6 +193,3 @@ class PrefixCache:
                 self._drop(key)
                 freed += self.block_tokens
         return freed
-
-    def clear(self) -> None:
-        self.evict(len(self._blocks) * self.block_tokens)

@@ -150,18 +150,14 @@ class ModelServiceBase(Generic[S]):
                 session.restore(state)
                 raise
             if self.prefix is not None:
-                # Blocks are kept as they fill, not only when the session ends: the next
-                # turn of a chat may arrive before the coordinator's EndSession does.
+                # Blocks are kept as they fill, so an ended session's stay for a chat's
+                # next turn, which may arrive before the coordinator's EndSession does.
                 self.prefix.store(session.seq, session.seq.cache_salt)
 
     def KeepAlive(self, request, context) -> common_pb2.KeepAliveResponse:
         return common_pb2.KeepAliveResponse(existed=self.sessions.touch(request.session_id))
 
     def EndSession(self, request, context) -> common_pb2.EndSessionResponse:
-        if self.prefix is not None:  # what it cached stays for later sessions: a chat's next turn
-            with self.sessions.use_if_idle(request.session_id) as session:
-                if session is not None:
-                    self.prefix.store(session.seq, session.seq.cache_salt)
         return common_pb2.EndSessionResponse(existed=self.sessions.remove(request.session_id))
 
 
