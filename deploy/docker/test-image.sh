@@ -96,4 +96,7 @@ build_s=$((SECONDS - started))
 say "built $IMAGE in $build_s s"
 
 # --- what it holds, and the image run ---------------------------------------------
-exec "$PYTHON" deploy/docker/image_check.py --image "$IMAGE" --build-seconds "$build_s"
+status=0
+"$PYTHON" deploy/docker/image_check.py --image "$IMAGE" --build-seconds "$build_s" || status=$?
+say "done in $SECONDS s (tools, base, build and checks), exit status $status"
+exit $status
