@@ -10,12 +10,16 @@ and fbgemm's dynamic GEMM with its int8 activations) do no better. Unpacking the
 matmul runs at bf16 speed; with the dense weights kept (`keep`, the services'
 `--prefill-weights dense`), it is the matmul alone. Which is faster depends on the layer's shape, the
 rows and the machine, so it is measured: the first call of each shape and
-power-of-two row count times both (`kernels.pick`) and remembers. Below MIN_ROWS the kernel is
-always used, so decode and verify calls (γ + 1 rows) do not pay an unpacking;
-with the dense weight kept there is none to pay, and every call of 2 rows or more
-(MIN_KEPT_ROWS) is timed both ways: on an AMX CPU the bf16 matmul is flat to 64
-rows and beats torch's int4 kernel from 5 rows on (docs/kernels.md), which is
-what a verify call or a short prefill past a cached prefix runs.
+power-of-two row count times both (`kernels.pick`) and remembers.
+
+Below MIN_ROWS the kernel is always used, kept weight or not. The dense weight
+is the kernel's weight rounded to bf16, so its logits are not the kernel's: a
+verify call (γ + 1 rows) on it can pick another greedy token than the decode
+step (one row, the kernel) would at a near tie, and speculative greedy output
+would then differ from target-only, depending on which path timed faster on
+that start. Decode, verification and batches of them all stay on the kernel's
+arithmetic; only prefill-sized calls, whose keys and values both paths share,
+may take the dense path.
 """
 from __future__ import annotations
 
@@ -26,8 +30,7 @@ from torch import nn
 
 from specdec.runtime import kernels
 
-MIN_ROWS = 64
-MIN_KEPT_ROWS = 2  # with the dense weight kept: one row (a decode step) always runs the kernel
+MIN_ROWS = 64  # fewer rows: always the kernel (decode and verify calls, batches of them)
 CHUNK_ROWS = 512  # rows unpacked at a time: a few MB of fp32, which stays in cache
 
 
@@ -37,7 +40,7 @@ def run(key: tuple, rows: int, few: Callable[[], torch.Tensor], many: Callable[[
     The choice is kernels.pick's: timed TRIES times each (a first call pays one-off
     costs, such as oneDNN building its kernel for a new shape, that must not decide
     it), per row bucket, and reported with the other kernel choices."""
-    if rows < (MIN_KEPT_ROWS if kept else MIN_ROWS):
+    if rows < MIN_ROWS:
         return few()
     return kernels.pick((*key, "kept" if kept else "prefill"), rows, dict(zip(names, (few, many))))
 
