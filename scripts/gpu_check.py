@@ -31,8 +31,6 @@ import math
 import pathlib
 import sys
 import tempfile
-import time
-import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -178,22 +176,8 @@ def main() -> int:
     checks.append((f"chi-square, {CHI_RUNS} sampled runs", lambda: chi_square(args.device)))
     if not args.quick:
         checks.append(("bench, 4 prompts: spec-auto vs target-only", lambda: bench(args.device)))
-    rows, failures = [], []
-    for name, check in checks:
-        started = time.perf_counter()
-        try:
-            result, ok = check(), "ok"
-        except Exception:
-            result, ok = traceback.format_exc().strip().splitlines()[-1], "FAILED"
-            failures.append((name, traceback.format_exc()))
-        rows.append((name, ok, f"{time.perf_counter() - started:.0f}", result))
-        print(f"gpu_check: {name}: {ok}", file=sys.stderr, flush=True)
-    print(f"\n| check ({args.device}) | result | s | detail |\n|---|---|---|---|")
-    for name, ok, seconds, detail in rows:
-        print(f"| {name} | {ok} | {seconds} | {detail} |")
-    for name, trace in failures:
-        print(f"\n### {name}\n\n```\n{trace}```")
-    return 1 if failures else 0
+    from specdec_tools.checks import run_checks
+    return run_checks("gpu_check", args.device, checks)
 
 
 if __name__ == "__main__":

@@ -30,11 +30,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from specdec_tools.checks import run_checks  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "The weather today is sunny and", "Explain what a hash table is."]
 COMPILERS = ("gcc", "cc", "c++", "g++", "clang", "make", "ld")
@@ -220,25 +221,10 @@ def main() -> int:
               ("no compiler or build cache", lambda: no_build_leftovers(container)),
               ("specdec up --pair tiny, Generate from outside", lambda: generate_from_outside(container,
                                                                                              args.ready_timeout))]
-    rows, failures = [], []
     try:
-        for name, check in checks:
-            started = time.perf_counter()
-            try:
-                result, ok = check(), "ok"
-            except Exception:
-                result, ok = traceback.format_exc().strip().splitlines()[-1], "FAILED"
-                failures.append((name, traceback.format_exc()))
-            rows.append((name, ok, f"{time.perf_counter() - started:.0f}", result))
-            print(f"image_check: {name}: {ok}", file=sys.stderr, flush=True)
+        return run_checks("image_check", args.image, checks)
     finally:
         container.remove()
-    print(f"\n| check ({args.image}) | result | s | detail |\n|---|---|---|---|")
-    for name, ok, seconds, detail in rows:
-        print(f"| {name} | {ok} | {seconds} | {detail} |")
-    for name, trace in failures:
-        print(f"\n### {name}\n\n```\n{trace}```")
-    return 1 if failures else 0
 
 
 if __name__ == "__main__":
