@@ -51,7 +51,7 @@ GREEDY = SamplingConfig()
 
 
 def in_process(options: launcher.StackOptions, texts: list[str], tokens: int) -> tuple[dict, list[list[int]]]:
-    loaded = load_model(options.target_model, dtype=launcher._dtype(options.pair.target_dtype, options.target_quantize),
+    loaded = load_model(options.target_model, dtype=options.target_dtype,
                         quantize=options.target_quantize)
     scheduler = new_scheduler(loaded)
     prompts = [chat_ids(loaded.tokenizer, t) for t in texts]

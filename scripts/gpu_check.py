@@ -36,7 +36,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-PROMPTS = ["def fibonacci(n):", "The weather today is sunny and", "Explain what a hash table is."]
 CHI_PROMPT, CHI_RUNS = "Hello, world! How are", 2000
 
 
@@ -57,53 +56,32 @@ def stack(pair: str, device: str):
     return launcher.Stack(options)
 
 
-def generate(stub, prompt: str, speculate: bool, max_new_tokens: int = 24, **sampling):
-    from specdec.v1 import common_pb2, coordinator_pb2 as pb
-    request = pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens,
-                                 sampling=common_pb2.SamplingParams(**sampling))
-    request.speculation.enabled = speculate
-    return stub.Generate(request, timeout=600)
-
-
 def greedy_equal(pair: str, device: str) -> str:
-    from specdec.rpc.serving import channel
-    from specdec.v1 import coordinator_pb2_grpc
+    from specdec_tools.checks import GREEDY_PROMPTS, greedy_runs
     running = stack(pair, device)
-    differing = []
     try:
-        address = running.launch().address
-        with channel(address) as ch:
-            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
-            drafted = 0
-            for prompt in PROMPTS:
-                spec, target = generate(stub, prompt, True), generate(stub, prompt, False)
-                if list(spec.token_ids) != list(target.token_ids):
-                    differing.append((prompt, list(spec.token_ids), list(target.token_ids)))
-                drafted += spec.stats.draft_tokens
+        drafted, differing = greedy_runs(running.launch().address)
     finally:
         running.stop()
-    identical = f"{len(PROMPTS) - len(differing)}/{len(PROMPTS)} prompts identical, {drafted} tokens drafted"
+    n = len(GREEDY_PROMPTS)
+    identical = f"{n - len(differing)}/{n} prompts identical, {drafted} tokens drafted"
     if not differing:
         return identical
+    from specdec.runtime.models import load_model
     options = running.options
-    from specdec_tools.launcher import _dtype
-    dtype = _dtype(options.pair.target_dtype, options.target_quantize)
-    if dtype == "fp32":  # exact arithmetic: any difference is a bug
+    if options.target_dtype == "fp32":  # exact arithmetic: any difference is a bug
         prompt, spec, target = differing[0]
         raise AssertionError(f"greedy output differs from target-only on {prompt!r}: {spec} vs {target}")
-    return identical + "; " + "; ".join(bf16_tie(options.target_model, dtype, options.target_quantize, device, *d)
-                                        for d in differing)
+    loaded = load_model(options.target_model, dtype=options.target_dtype, quantize=options.target_quantize, device=device)
+    return identical + "; " + "; ".join(bf16_tie(loaded, *d) for d in differing)
 
 
-def bf16_tie(model: str, dtype: str, quantize: str, device: str, prompt: str, spec: list[int],
-             target: list[int]) -> str:
+def bf16_tie(loaded, prompt: str, spec: list[int], target: list[int]) -> str:
     """Where the outputs part, the target's own logits (one row, as a decode step)
     must hold both tokens within two bf16 steps of each other: a tie that the
     rounding of another row count decides either way. Anything wider fails."""
     from specdec.runtime.kv_cache import SequenceCache
-    from specdec.runtime.models import load_model
     at = next(i for i, (a, b) in enumerate(zip(spec, target)) if a != b)
-    loaded = load_model(model, dtype=dtype, quantize=quantize, device=device)
     ids = loaded.tokenizer.encode(prompt, add_special_tokens=False) + target[:at]
     seq = SequenceCache(loaded, ids)
     seq.prefill()
@@ -123,6 +101,7 @@ def chi_square(device: str) -> str:
     from specdec.runtime.models import load_model
     from specdec.spec.sampling import SamplingConfig
     from specdec.v1 import coordinator_pb2_grpc
+    from specdec_tools.checks import generate
     from specdec_tools.distribution import chi_square_p, exact_first_two_token_distribution, observed_outcome
     sampling = SamplingConfig(temperature=0.8, top_k=40)
     target = load_model("tiny-target", device=device)

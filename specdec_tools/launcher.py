@@ -174,6 +174,15 @@ class StackOptions:
     drafter_args: tuple[str, ...] = ()      # ... and to each model service (its limits, threads, KV budget)
     verifier_args: tuple[str, ...] = ()
 
+    @property
+    def draft_dtype(self) -> str:
+        """The dtype the drafter runs in (its quantization's, else the pair's)."""
+        return _dtype(self.pair.draft_dtype, self.draft_quantize)
+
+    @property
+    def target_dtype(self) -> str:
+        return _dtype(self.pair.target_dtype, self.target_quantize)
+
     @classmethod
     def for_pair(cls, pair: Pair, **overrides) -> "StackOptions":
         """The pair's models and settings; overrides that are None keep the pair's."""
@@ -230,12 +239,12 @@ class Stack:
         # The drafter first, then the verifier: each times its forwards at warm-up
         # (the cost curve in Info), which the other's loading would disturb.
         self.children.append(spawn("drafter", "drafter", [
-            "--model", options.draft_model, "--dtype", _dtype(options.pair.draft_dtype, options.draft_quantize),
+            "--model", options.draft_model, "--dtype", options.draft_dtype,
             "--quantize", options.draft_quantize, "--head-vocab", str(options.head_vocab), *self._listen("drafter"),
             *common, *options.drafter_args], self.env))
         drafter = wait_serving(self.children[-1], options.ready_timeout_s)
         self.children.append(spawn("verifier", "verifier", [
-            "--model", options.target_model, "--dtype", _dtype(options.pair.target_dtype, options.target_quantize),
+            "--model", options.target_model, "--dtype", options.target_dtype,
             "--quantize", options.target_quantize, *self._listen("verifier"),
             *common, *options.verifier_args], self.env))
         verifier = wait_serving(self.children[-1], options.ready_timeout_s)

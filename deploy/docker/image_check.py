@@ -35,9 +35,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from specdec_tools.checks import run_checks  # noqa: E402
+from specdec_tools.checks import GREEDY_PROMPTS, greedy_runs, run_checks  # noqa: E402
 
-PROMPTS = ["def fibonacci(n):", "The weather today is sunny and", "Explain what a hash table is."]
+UP_LINE = "specdec up: coordinator on "
 COMPILERS = ("gcc", "cc", "c++", "g++", "clang", "make", "ld")
 BUILD_LEFTOVERS = ("/src", "/tmp/specdec-src", "/root/.cache", "/home/specdec/.cache", "/tmp/pip-*", "/var/cache/apt/archives/*.deb",
                    "/var/lib/apt/lists/*_Packages")
@@ -143,50 +143,35 @@ def no_build_leftovers(container: Container) -> str:
     return f"no {', '.join(COMPILERS)}; no pip/apt cache, sources, wheels or model files"
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def serving_address(log_path: str) -> str | None:
+    """The coordinator's address, once `specdec up` has said all three serve."""
+    with open(log_path) as f:
+        line = next((line for line in f if line.startswith(UP_LINE)), None)
+    return line[len(UP_LINE):].split()[0] if line else None
 
 
 def generate_from_outside(container: Container, timeout_s: float) -> str:
-    from specdec.rpc.serving import channel, wait_until_serving
-    from specdec.v1 import coordinator_pb2 as pb, coordinator_pb2_grpc
-    port = free_port()
     shared = tempfile.mkdtemp(prefix="specdec-image-")
     os.chmod(shared, 0o777)  # the container's user writes its pid here
-    up = f"echo $$ > /shared/up.pid; exec specdec up --pair tiny --host 127.0.0.1 --port {port}"
-    log = open(os.path.join(shared, "up.log"), "w+")
+    # Port 0: the coordinator takes a free port and `specdec up` names it once all three serve.
+    up = "echo $$ > /shared/up.pid; exec specdec up --pair tiny --host 127.0.0.1 --port 0"
+    log_path = os.path.join(shared, "up.log")
+    log = open(log_path, "w")
     process = subprocess.Popen(container.command(up, mounts=(f"{shared}:/shared",)), stdout=log,
                                stderr=subprocess.STDOUT)
     try:
         started = time.perf_counter()
-        while True:
-            try:
-                wait_until_serving(f"127.0.0.1:{port}", 5.0)
-                break
-            except TimeoutError:
-                if process.poll() is not None:
-                    raise RuntimeError(f"specdec up exited with {process.returncode} before serving") from None
-                if time.perf_counter() - started > timeout_s:
-                    raise
+        while not (address := serving_address(log_path)):
+            if process.poll() is not None:
+                raise RuntimeError(f"specdec up exited with {process.returncode} before serving")
+            if time.perf_counter() - started > timeout_s:
+                raise TimeoutError(f"specdec up not serving after {timeout_s:.0f} s")
+            time.sleep(0.2)
         ready_s = time.perf_counter() - started
-        drafted = 0
-        with channel(f"127.0.0.1:{port}") as ch:
-            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
-            for prompt in PROMPTS:
-                outputs = []
-                for speculate in (True, False):
-                    request = pb.GenerateRequest(prompt=prompt, max_new_tokens=24)
-                    request.speculation.enabled = speculate
-                    if speculate:
-                        request.speculation.gamma = 4
-                    response = stub.Generate(request, timeout=120)
-                    outputs.append(list(response.token_ids))
-                    drafted += response.stats.draft_tokens
-                if outputs[0] != outputs[1]:
-                    raise AssertionError(f"greedy output differs from target-only on {prompt!r}: {outputs}")
+        drafted, differing = greedy_runs(address, gamma=4)
+        if differing:
+            prompt, spec, target = differing[0]
+            raise AssertionError(f"greedy output differs from target-only on {prompt!r}: {spec} vs {target}")
         if drafted == 0:
             raise AssertionError("nothing was drafted at gamma 4: the comparison proves nothing")
         with open(os.path.join(shared, "up.pid")) as f:
@@ -194,11 +179,11 @@ def generate_from_outside(container: Container, timeout_s: float) -> str:
         code = process.wait(timeout=60)
         if code != 0:
             raise AssertionError(f"specdec up exited with {code} on SIGTERM")
-        return (f"serving {ready_s:.0f} s after start; {len(PROMPTS)}/{len(PROMPTS)} prompts identical, "
+        return (f"serving {ready_s:.0f} s after start; {len(GREEDY_PROMPTS)}/{len(GREEDY_PROMPTS)} prompts identical, "
                 f"{drafted} tokens drafted; SIGTERM: exit 0")
     except BaseException:
-        log.seek(0)
-        print(f"--- specdec up in the image, its log ---\n{log.read()[-4000:]}", file=sys.stderr)
+        with open(log_path) as f:
+            print(f"--- specdec up in the image, its log ---\n{f.read()[-4000:]}", file=sys.stderr)
         raise
     finally:
         if process.poll() is None:
