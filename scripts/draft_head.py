@@ -59,6 +59,7 @@ def main() -> int:
     parser.add_argument("--skip-ranked", type=pathlib.Path, default=pathlib.Path("vocab_rank_questions.json"),
                         help="questions the ranking read (vocab_rank.py's list): left out here")
     parser.add_argument("--max-prompt-tokens", type=int, default=1200)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of step timings, every head in each")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("draft_head.json"))
     args = parser.parse_args()
@@ -104,14 +105,23 @@ def main() -> int:
         say(f"{question.category} q{question.question_id}: {len(answer)} positions")
     del draft
     prefix = (chat_ids(target.tokenizer, questions[0].prompt) * 8)[:200]
-    steps = {}
+    # Every head and the target timed in turn, round after round, and the median of each one's
+    # rounds kept: a shared machine drifts by tens of percent over minutes, which timing one
+    # after the other would read as a difference between them.
+    drafts = {n: torch_thread.run(load_model, pair.draft, dtype=pair.draft_dtype, quantize=pair.draft_quantize,
+                                  head_vocab=n) for n in sizes}
+    timed = {n: ([], []) for n in sizes}
+    target_times = []
+    for _ in range(args.rounds):
+        for n, loaded in drafts.items():
+            for rows, times in zip((1, 4), timed[n]):
+                times.append(torch_thread.run(forward_ms, loaded, prefix, rows, 3))
+        target_times.append(torch_thread.run(forward_ms, target, prefix, 1, 3))
+    steps = {n: (statistics.median(one), statistics.median(four)) for n, (one, four) in timed.items()}
     for n in sizes:
-        loaded = torch_thread.run(load_model, pair.draft, dtype=pair.draft_dtype, quantize=pair.draft_quantize,
-                                  head_vocab=n)
-        steps[n] = (torch_thread.run(forward_ms, loaded, prefix, 1), torch_thread.run(forward_ms, loaded, prefix, 4))
         say(f"head {n or 'all'}: {steps[n][0]:.1f} ms a step, {steps[n][1]:.1f} ms for 4 rows")
-        del loaded
-    target_ms = torch_thread.run(forward_ms, target, prefix, 1)
+    del drafts
+    target_ms = statistics.median(target_times)
     rows = []
     for (n, how), keep in cuts.items():
         step = steps.get(n) if how != "id" else None

@@ -16,6 +16,9 @@ Backends:
   torch-int8-wo    torch's int8 weight-only kernel (`_weight_int8pack_mm`), bf16 activations
   bf16             a dense bf16 matmul (oneDNN)
   zentorch-int8    zentorch's dynamic int8 x int8 linear (optional: `pip install zentorch`)
+  zentorch-w4a8    zentorch's dynamic int8 x int4 linear over the same Q4_K codes: signed codes (q - 8) with
+                   the group scales, int8 activations per row, and the zeros added back as the group sums of
+                   x times them (optional: `pip install zentorch`)
   ort-int4         onnxruntime's MatMulNBits over the same Q4_K codes (float zero points), (optional: `pip install onnxruntime onnx`)
 """
 from __future__ import annotations
@@ -132,6 +135,31 @@ def call_zentorch(state, x):
     return torch.ops.zentorch.zentorch_dynamic_qlinear(x.bfloat16(), packed, scales, None, is_weight_prepacked=True)
 
 
+def w4a8_state(codes, scale, minimum):
+    """Q4_K's w = s q - m per group as s (q - 8) + z, z = 8 s - m: zentorch's int4 x int8 op takes the
+    symmetric part (its codes two to a byte, low nibble first; scales [K/32, N]); the zeros come back
+    as a small [M, K/32] x [K/32, N] product of the group sums of x. codes [N, K] in 0..15, scale and
+    minimum [N, K/32]."""
+    import zentorch  # noqa: F401 - registers torch.ops.zentorch
+    signed = ((codes.to(torch.int32) - 8) & 15).to(torch.uint8)
+    packed = (signed[:, 0::2] | (signed[:, 1::2] << 4)).view(torch.int8).contiguous()
+    scale, minimum = scale.float(), minimum.float()
+    return packed, scale.t().contiguous(), (8 * scale - minimum).t().bfloat16().contiguous()
+
+
+def build_zentorch_w4a8(w):
+    return w4a8_state(*q4(w))
+
+
+def call_zentorch_w4a8(state, x):
+    packed, scales, zeros = state
+    rows = x.shape[0]
+    x = x.bfloat16() if rows > 1 else x.bfloat16().expand(2, -1).contiguous()   # its 1-row path is slow here
+    y = torch.ops.zentorch.zentorch_dynamic_qlinear(x, packed, scales, None, is_weight_prepacked=False)
+    sums = x.view(x.shape[0], -1, GROUP).float().sum(-1).bfloat16()
+    return (y + sums @ zeros)[:rows]
+
+
 def build_ort(w):
     """The GGUF's codes as they are: Q4_K's per-group minimum as float zero points (w = s (q - m / s))."""
     import onnxruntime as ort
@@ -165,6 +193,7 @@ BACKENDS = {
     "torch-int8-wo": (build_int8_wo, call_int8_wo),
     "bf16": (build_bf16, call_bf16),
     "zentorch-int8": (build_zentorch, call_zentorch),
+    "zentorch-w4a8": (build_zentorch_w4a8, call_zentorch_w4a8),
     "ort-int4": (build_ort, call_ort),
 }
 

@@ -200,11 +200,14 @@ def test_the_image_and_the_chart_agree():
         assert f'{entrypoint} = "' in pyproject, entrypoint
 
 
-def test_the_verifier_serves_int4_and_the_drafter_int8_by_default_as_the_default_pair():
+def test_the_chart_serves_the_default_pair_as_specdec_up_does():
+    from specdec.weights.pairs import DEFAULT_PAIR, PAIRS
+    pair = PAIRS[DEFAULT_PAIR]
     (deployment,) = by_kind(render({}), "Deployment")
     args = {c["name"]: c["args"] for c in deployment["spec"]["template"]["spec"]["containers"]}
-    assert "--quantize=int4" in args["verifier"] and "--dtype=bf16" in args["verifier"]
-    assert "--quantize=int8" in args["drafter"]
+    assert f"--quantize={pair.target_quantize}" in args["verifier"] and f"--dtype={pair.target_dtype}" in args["verifier"]
+    assert f"--quantize={pair.draft_quantize}" in args["drafter"] and f"--dtype={pair.draft_dtype}" in args["drafter"]
+    assert f"--head-vocab={pair.draft_head_vocab}" in args["drafter"]
     (deployment,) = by_kind(render({"verifier": {"quantize": "none"}}), "Deployment")
     args = {c["name"]: c["args"] for c in deployment["spec"]["template"]["spec"]["containers"]}
     assert "--quantize=none" in args["verifier"]

@@ -78,25 +78,33 @@ def test_q4k_linears_go_int4_others_int8_each_checked_first(tmp_path):
     layer.self_attn = torch.nn.Module()
     layer.self_attn.q_proj = torch.nn.Linear(256, 256, bias=False)
     model.model.layers = torch.nn.ModuleList([layer])
+    model.lm_head = torch.nn.Linear(64, 96, bias=False)
     up, q = random_q4k(64, 256, seed=2), random_q4k(256, 256, seed=3)
+    head = quantize(np.random.default_rng(5).standard_normal((96, 64)).astype(np.float32),
+                    GGMLQuantizationType.Q8_0)
     down = quantize(np.random.default_rng(4).standard_normal((256, 64)).astype(np.float32),
                     GGMLQuantizationType.Q8_0)
     down_weight = torch.from_numpy(dequantize(down, GGMLQuantizationType.Q8_0).reshape(256, 64))
     with torch.no_grad():  # the model holds what a loader made of the GGUF; q_proj as if permuted
         layer.mlp.up_proj.weight.copy_(torch.from_numpy(dequantize(up, GGMLQuantizationType.Q4_K).reshape(64, 256)))
         layer.mlp.down_proj.weight.copy_(down_weight)
+        model.lm_head.weight.copy_(torch.from_numpy(dequantize(head, GGMLQuantizationType.Q8_0).reshape(96, 64)))
         layer.self_attn.q_proj.weight.copy_(torch.from_numpy(
             dequantize(q, GGMLQuantizationType.Q4_K).reshape(256, 256)[torch.randperm(256)].copy()))
     path = tmp_path / "model.gguf"
     write_gguf(path, {"blk.0.ffn_up.weight": (up, GGMLQuantizationType.Q4_K, (64, 256)),
                       "blk.0.ffn_down.weight": (down.reshape(-1), GGMLQuantizationType.Q8_0, (256, 64)),
-                      "blk.0.attn_q.weight": (q, GGMLQuantizationType.Q4_K, (256, 256))})
+                      "blk.0.attn_q.weight": (q, GGMLQuantizationType.Q4_K, (256, 256)),
+                      "output.weight": (head.reshape(-1), GGMLQuantizationType.Q8_0, (96, 64))})
     x = torch.randn(3, 256)
     before = layer.mlp.up_proj(x).detach()
     report = quantize_from_gguf(model, str(path))
-    assert report == {"int4": 1, "int8": 1, "mismatched": 1}
+    assert report == {"int4": 1, "int8": 2, "mismatched": 1}
     assert isinstance(layer.mlp.up_proj, Int4Linear) and layer.mlp.up_proj.bias is not None
     assert isinstance(layer.mlp.down_proj, Int8WeightOnlyLinear)
+    # Only the LM head may take int8 activations: a down projection's input carries outliers.
+    assert isinstance(model.lm_head, Int8WeightOnlyLinear) and model.lm_head.int8_activations
+    assert not layer.mlp.down_proj.int8_activations
     assert isinstance(layer.self_attn.q_proj, torch.nn.Linear)  # mismatched: left as it was
     after = layer.mlp.up_proj(x)
     assert ((after - before).abs() <= 0.02 * (x.abs() @ layer.mlp.up_proj.dequantized().abs().t()) + 0.02).all()

@@ -118,3 +118,43 @@ def test_a_ranked_head_keeps_the_most_frequent_ids_then_the_lowest(monkeypatch, 
     tok = ranked_model.tokenizer
     special = {*tok.all_special_ids, *tok.added_tokens_decoder, *ranked_model.eos_token_ids}
     assert set(favourite) <= kept and kept - set(favourite) <= special and set(plain.model.get_output_embeddings().keep_ids.tolist()) != kept
+
+
+@pytest.fixture
+def fbgemm_only(monkeypatch):
+    """torch's own int8 kernel alone: where an accelerated backend installs, which kernel a shape
+    runs is timed on this machine, and kernels with other activation scales differ by roundings."""
+    from specdec.runtime import kernels
+    monkeypatch.setattr(kernels, "BACKENDS", [])
+
+
+def test_qkv_fuse_into_one_int8_gemm_and_each_output_is_its_parts(generator, fbgemm_only):
+    # One activation quantization and one GEMM for q, k and v (fbgemm's activation scale is
+    # the input's, which all three share), from the parts' own codes: nothing is re-rounded.
+    parts = [int8.Int8Linear(torch.randn(n, 64, generator=generator) * 0.05, torch.randn(n, generator=generator))
+             for n in (64, 16, 16)]
+    x = torch.randn(5, 64, generator=generator)
+    expected = torch.cat([p(x) for p in parts], dim=-1)
+    assert int8.Int8Linear.concatenable(parts)
+    fused = int8.Int8Linear.concat(parts)
+    assert (fused.in_features, fused.out_features) == (64, 96)
+    assert torch.allclose(fused(x), expected, rtol=0, atol=1e-6)
+    # The parts hold no weight of their own now: each is its slice of the fused output.
+    assert all("_packed" not in p.__dict__ for p in parts)
+    assert torch.allclose(torch.cat([p(x) for p in parts], dim=-1), expected, rtol=0, atol=1e-6)
+    # A second lean forward over the same model finds the fused layer, not a copy of it.
+    assert int8.Int8Linear.concat(parts) is fused
+    assert not int8.Int8Linear.concatenable(parts[:2])   # a part of a fused layer alone: no new fusion
+
+
+def test_the_int8_draft_runs_its_qkv_fused_in_the_lean_forward(monkeypatch, fbgemm_only):
+    loaded = load_model("tiny-draft", quantize="int8")
+    assert all(isinstance(layer.qkv, int8.Int8Linear) for layer in loaded.lean.layers)
+    from specdec.runtime import lean
+    monkeypatch.setattr(lean, "fuse", lambda layers: None)   # the same draft, built again with nothing fused
+    separate = load_model("tiny-draft", quantize="int8")
+    assert all(layer.qkv is None for layer in separate.lean.layers)
+    ids = torch.arange(3, 20)
+    got = loaded.lean(ids, loaded.lean.new_cache(), keep_last=3)
+    want = separate.lean(ids, separate.lean.new_cache(), keep_last=3)
+    assert torch.allclose(got, want, rtol=0, atol=1e-4)

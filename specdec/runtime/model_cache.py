@@ -31,8 +31,8 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 # Part of every entry's key. The saved module names its classes by import path:
-# raised whenever a quantized layer's class or module moves.
-FORMAT = 2
+# raised whenever a quantized layer's class or module moves, or its saved state changes.
+FORMAT = 3
 FILE = "module.pt"
 
 

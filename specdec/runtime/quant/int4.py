@@ -220,7 +220,8 @@ def module_name(gguf_name: str) -> str | None:
 def quantize_from_gguf(model: nn.Module, gguf_path: str) -> dict[str, int]:
     """Replace every Linear whose GGUF tensor is Q4_K by an Int4Linear built from its
     blocks; the others (Q6_K, Q5_0, Q8_0, ...: the LM head among them) go to int8
-    weight-only with one scale per row, from their de-quantized GGUF values. That is
+    weight-only with one scale per row (the head also offered int8 activations),
+    from their de-quantized GGUF values. That is
     a second rounding, but at 8 bits of a 5-to-8-bit tensor; in bf16 these layers
     took half of the 1.5B's Linear time (the LM head alone 15 ms of about 60 per
     step, 7.4 in int8).
@@ -255,7 +256,9 @@ def quantize_from_gguf(model: nn.Module, gguf_path: str) -> dict[str, int]:
             setattr(parent, child, Int4Linear.from_q4k(tensor.data, rows, cols, bias))
             report["int4"] += 1
         else:
-            setattr(parent, child, Int8WeightOnlyLinear(gguf_weight, bias))
+            # The LM head's input is the final norm's output, with no outlier channels to
+            # lose: it may run int8 activations (per row), where a kernel for them installs.
+            setattr(parent, child, Int8WeightOnlyLinear(gguf_weight, bias, int8_activations=name == "lm_head"))
             report["int8"] += 1
     if report["int8"] and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         # The LM head is its own int8 module now; the embedding keeps its rows.

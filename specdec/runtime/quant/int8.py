@@ -60,6 +60,15 @@ def _pack(weight: torch.Tensor, bias: torch.Tensor | None):
     return torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.detach().float())
 
 
+def _pack_codes(codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+    """fbgemm's packed weight from int8 codes [out, in] and their per-row scales [out], as they are."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        qweight = torch._make_per_channel_quantized_tensor(
+            codes.to(torch.int8).contiguous(), scales.double(), torch.zeros(codes.shape[0], dtype=torch.long), 0)
+    return torch.ops.quantized.linear_prepack(qweight, bias)
+
+
 def _dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """codes [out, in] int8 times their per-row scales [out] -> [out, in] bf16, in cache-sized pieces."""
     scales = scales.float()[:, None]
@@ -79,10 +88,60 @@ class Int8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
         return cls(linear.weight, linear.bias)
 
+    def _codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(int8 codes [out, in], per-row scales [out] fp32, fp32 bias or None), as packed."""
+        qweight, bias = torch.ops.quantized.linear_unpack(self._packed)
+        return qweight.int_repr(), qweight.q_per_channel_scales().float(), bias
+
+    @staticmethod
+    def _fused_already(parts: list) -> "Int8Linear | None":
+        """The fused layer these parts already are, in order (a second lean forward over the model), or None."""
+        views = [p.__dict__.get("_fused") for p in parts]
+        if not all(views) or len({id(v[0]) for v in views}) != 1:
+            return None
+        ranges = [(start, end) for _, start, end in views]
+        whole = ranges[0][0] == 0 and ranges[-1][1] == views[0][0].out_features
+        return views[0][0] if whole and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) else None
+
+    @staticmethod
+    def concatenable(parts: list) -> bool:
+        """Whether `concat` can fuse these: Int8Linears sharing their input size, none of them a
+        part of a fused layer already, or all of them the whole of one, in order."""
+        if len(parts) < 2 or not all(type(p) is Int8Linear for p in parts):
+            return False
+        if Int8Linear._fused_already(parts) is not None:
+            return True
+        return all("_fused" not in p.__dict__ for p in parts) and len({p.in_features for p in parts}) == 1
+
+    @classmethod
+    def concat(cls, parts: list["Int8Linear"]) -> "Int8Linear":
+        """One Int8Linear computing the parts' outputs side by side (q/k/v): one activation
+        quantization and one GEMM call where there were three, with the parts' own codes
+        and scales, so each output is what its part computed. A small model's step is
+        mostly such calls (the 0.5B draft's k and v are 128 x 896). The parts then compute
+        through it, a slice of its output, so no weight is held twice."""
+        assert cls.concatenable(parts), [(type(p).__name__, p.in_features) for p in parts]
+        if (fused := cls._fused_already(parts)) is not None:
+            return fused
+        codes, scales, biases = zip(*(p._codes() for p in parts))
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts)])
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.in_features, fused.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+        fused._packed = _pack_codes(torch.cat(codes), torch.cat(scales), bias)
+        start = 0
+        for p in parts:
+            p.__dict__.pop("_accel", None)
+            del p._packed
+            p._fused = (fused, start, start + p.out_features)
+            start += p.out_features
+        return fused
+
     def dense_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[out, in] bf16 (the int8 rows times their scales) and the fp32 bias."""
-        qweight, bias = torch.ops.quantized.linear_unpack(self._packed)
-        return _dequantized(qweight.int_repr(), qweight.q_per_channel_scales()), bias
+        codes, scales, bias = self._codes()
+        return _dequantized(codes, scales), bias
 
     def _dense(self, flat: torch.Tensor) -> torch.Tensor:
         # A prefill's many rows: bf16 activations against the de-quantized weight
@@ -99,8 +158,7 @@ class Int8Linear(nn.Module):
             accel = []
             backends = kernels.usable("int8-channel")
             if backends:
-                qweight, bias = torch.ops.quantized.linear_unpack(self._packed)
-                codes, scales = qweight.int_repr(), qweight.q_per_channel_scales().float()
+                codes, scales, bias = self._codes()
                 without_bias = (lambda x: torch.ops.quantized.linear_dynamic(x, self._packed, _reduce_range())
                                 - (bias if bias is not None else 0))
                 for backend in backends:
@@ -130,6 +188,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features], in x's dtype
+        if "_fused" in self.__dict__:   # a part of a fused layer (concat): its slice of the fused output
+            fused, start, end = self._fused
+            return fused(x)[..., start:end]
         flat = x.reshape(-1, self.in_features).float()
         out = dense_rows.run(("int8-dynamic", self.out_features, self.in_features), flat.shape[0],
                              lambda: self._kernel(flat), lambda: self._dense(flat))
@@ -145,9 +206,17 @@ class Int8WeightOnlyLinear(nn.Module):
     For the layers whose inputs carry outliers a per-tensor activation scale
     cannot hold (Qwen's MLP down projections): weight-only int8 costs a little
     more per call than the dynamic int8 GEMM, but adds almost no error.
+
+    int8_activations: also offer the kernels that compute these codes with int8
+    activations scaled per row (specdec.runtime.kernels, `per_row`), for a layer
+    whose input carries no such outliers and whose kernel is slow: the int4
+    target's LM head (151,936 x 1,536), where torch's weight-only kernel took 16 of
+    a 85 ms step on the AVX-512 EPYC and zentorch's int8 x int8 one 7 (38 against 6
+    for 4 rows). One kernel then serves every call under dense_rows.MIN_ROWS, as
+    timed on the first: a verification's logits must be the decode step's.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8_activations: bool = False):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         weight = weight.detach().float()
@@ -155,16 +224,47 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("qweight", torch.round(weight / scales[:, None]).to(torch.int8), persistent=False)
         self.register_buffer("scales", scales.bfloat16(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+        self.int8_activations = int8_activations
 
     def dense_weight(self) -> torch.Tensor:
         """[out, in] bf16: the int8 rows times their scales."""
         return _dequantized(self.qweight, self.scales)
 
+    def _weight_only(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(flat.bfloat16(), self.qweight, self.scales)
+
+    def _accelerated(self) -> list[tuple[kernels.Backend, object]]:
+        """With int8_activations, the per-row int8 kernels for this layer's codes, each
+        checked against its own kernel on the first call; none where none installs."""
+        accel = self.__dict__.get("_accel")
+        if accel is None:
+            accel = []
+            if self.int8_activations:
+                for backend in kernels.usable("int8-channel", per_row=True):
+                    state = kernels.checked(backend, self.qweight, self.scales.float(), self._weight_only)
+                    if state is not None:
+                        accel.append((backend, state))
+            self._accel = accel
+        return accel
+
+    def __getstate__(self):
+        # Saved in the model cache: the accelerated kernels' weights are this machine's, made again on load.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_accel", "_kept_dense")}
+
+    def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
+        accel = self._accelerated()
+        if not accel:
+            return self._weight_only(flat)
+        return kernels.pick(("int8-wo", self.out_features, self.in_features), flat.shape[0],
+                            {"torch-int8-wo": lambda: self._weight_only(flat),
+                             **{b.name: (lambda b=b, s=s: b.run(s, flat).to(flat.dtype)) for b, s in accel}},
+                            per_layer=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features], in x's dtype
         flat = x.reshape(-1, self.in_features).bfloat16()
         out = dense_rows.run(("int8", self.out_features, self.in_features), flat.shape[0],
-                             lambda: torch._weight_int8pack_mm(flat, self.qweight, self.scales),
+                             lambda: self._kernel(flat),
                              lambda: F.linear(flat, dense_rows.weight(self, self.dense_weight)),
                              kept=dense_rows.is_kept(self)).to(x.dtype)
         if self.bias is not None:
@@ -276,4 +376,4 @@ def _quantize_cuda(model: nn.Module) -> nn.Module:
 register(Quantization(
     "int8", lambda model, ctx: quantize_model(model, ctx.device, head_vocab=ctx.head_vocab,
                                               special_ids=list(ctx.special_ids), ranking=ctx.vocab_ranking),
-    lambda dtype: "fp32+int8", uses_head_vocab=True))
+    lambda dtype: "fp32+int8", uses_head_vocab=True), fusable=[Int8Linear])
