@@ -44,6 +44,33 @@ def logits(loaded, ids: list[int], start: int) -> torch.Tensor:
     return seq.forward(ids[start - 1:], keep_last=len(ids) - start + 1)
 
 
+def teacher_forced(reference, prompts: int, new: int) -> list[tuple[int, list[int]]]:
+    """`prompts` dev prompts spread over the file, each followed by the reference's own greedy
+    continuation of `new` tokens: [(prompt length, ids)], to teacher-force other weights on."""
+    tok = reference.tokenizer
+    questions = [json.loads(line) for line in DEV.read_text().splitlines()]
+    texts = []
+    for q in (questions[i * len(questions) // prompts] for i in range(prompts)):
+        text = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        out = reference.model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)
+        texts.append((len(ids), out[0].tolist()))
+    return texts
+
+
+def agreement(loaded, texts, ref_logits) -> tuple[float, float]:
+    """(top-1 agreement, mean KL) of `loaded` against the reference's logits on `texts`."""
+    agree, kl, n = 0, 0.0, 0
+    for (start, ids), ref in zip(texts, ref_logits):
+        mine = logits(loaded, ids, start).float()
+        agree += int((mine.argmax(-1) == ref.argmax(-1)).sum())
+        kl += float(torch.nn.functional.kl_div(mine.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                               reduction="sum"))
+        n += mine.shape[0]
+    return agree / n, kl / n
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -59,16 +86,7 @@ def main() -> int:
     torch_thread.set_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the int4 conversion's report
     reference = load_model(args.model, dtype="fp32")
-    tok = reference.tokenizer
-    questions = [json.loads(line) for line in DEV.read_text().splitlines()]
-    picked = [questions[i * len(questions) // args.prompts] for i in range(args.prompts)]
-    texts = []
-    for q in picked:  # prompt + the fp32 model's greedy continuation, teacher-forced below
-        text = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
-                                       add_generation_prompt=True)
-        ids = tok.encode(text, add_special_tokens=False)
-        out = reference.model.generate(torch.tensor([ids]), max_new_tokens=args.new, do_sample=False)
-        texts.append((len(ids), out[0].tolist()))
+    texts = teacher_forced(reference, args.prompts, args.new)
     ref_logits = [logits(reference, ids, start) for start, ids in texts]
     prefix = (texts[0][1] * 4)[:200]
     results = {}
@@ -76,14 +94,8 @@ def main() -> int:
     for dtype, quantize in configs:
         name = dtype if quantize == "none" else f"{dtype}+{quantize}"
         loaded = reference if name == "fp32" else load_model(args.model, dtype=dtype, quantize=quantize)
-        agree, kl, n = 0, 0.0, 0
-        for (start, ids), ref in zip(texts, ref_logits):
-            mine = logits(loaded, ids, start)
-            agree += int((mine.argmax(-1) == ref.argmax(-1)).sum())
-            kl += float(torch.nn.functional.kl_div(mine.log_softmax(-1), ref.log_softmax(-1), log_target=True,
-                                                   reduction="sum"))
-            n += mine.shape[0]
-        results[name] = {"top1_agreement_vs_fp32": agree / n, "mean_kl_vs_fp32": kl / n,
+        top1, kl = agreement(loaded, texts, ref_logits)
+        results[name] = {"top1_agreement_vs_fp32": top1, "mean_kl_vs_fp32": kl,
                          **{f"forward_ms_{r}_rows": forward_ms(loaded, prefix, r) for r in rows}}
         if loaded is not reference:
             del loaded

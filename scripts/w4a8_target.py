@@ -20,7 +20,6 @@ import pathlib
 import statistics
 import sys
 
-import torch
 
 from specdec.runtime import torch_thread
 from specdec.runtime.models import load_model
@@ -28,7 +27,7 @@ from specdec.runtime.quant.int4 import Int4Linear
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from kernel_bench import call_zentorch_w4a8, w4a8_state  # noqa: E402
-from quant_check import DEV, forward_ms, logits  # noqa: E402
+from quant_check import agreement, forward_ms, logits, teacher_forced  # noqa: E402
 
 MODES = ("torch", "w4a8-but-down", "w4a8")
 
@@ -61,15 +60,7 @@ def main() -> int:
     rows = [int(r) for r in args.rows.split(",")]
     torch_thread.set_threads(args.threads)
     reference = load_model(args.model, dtype="fp32")
-    tok = reference.tokenizer
-    questions = [json.loads(line) for line in DEV.read_text().splitlines()]
-    texts = []
-    for q in (questions[i * len(questions) // args.prompts] for i in range(args.prompts)):
-        text = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
-                                       add_generation_prompt=True)
-        ids = tok.encode(text, add_special_tokens=False)
-        out = reference.model.generate(torch.tensor([ids]), max_new_tokens=args.new, do_sample=False)
-        texts.append((len(ids), out[0].tolist()))
+    texts = teacher_forced(reference, args.prompts, args.new)
     ref_logits = [logits(reference, ids, start) for start, ids in texts]
     del reference
     served = load_model(args.model, dtype="bf16", quantize="int4")
@@ -77,14 +68,8 @@ def main() -> int:
     results = {mode: {"ms": {r: [] for r in rows}} for mode in MODES}
     for mode in MODES:
         use(served, mode)
-        agree, kl, n = 0, 0.0, 0
-        for (start, ids), ref in zip(texts, ref_logits):
-            mine = logits(served, ids, start).float()
-            agree += int((mine.argmax(-1) == ref.argmax(-1)).sum())
-            kl += float(torch.nn.functional.kl_div(mine.log_softmax(-1), ref.log_softmax(-1), log_target=True,
-                                                   reduction="sum"))
-            n += mine.shape[0]
-        results[mode].update(top1_vs_fp32=agree / n, kl_vs_fp32=kl / n)
+        top1, kl = agreement(served, texts, ref_logits)
+        results[mode].update(top1_vs_fp32=top1, kl_vs_fp32=kl)
     for _ in range(args.rounds):   # interleaved: the machine's drift is not read as a difference
         for mode in MODES:
             use(served, mode)
