@@ -469,3 +469,13 @@ def test_plans_follow_the_curves_the_services_publish_again():
     frozen.frozen = True
     frozen.follow(draft_ms=[5.0], verify_ms=[10.0, 11.0])
     assert frozen.verify_ms(0) == 40.0 and frozen.draft_curve.measured == [20.0]
+
+
+def test_one_request_in_sixteen_refused_for_its_prefill_drafts_all_the_same_but_never_under_load():
+    # A draft cost measured high once (a warm-up beside the verifier's load) keeps every request off
+    # the draft model, and only requests that draft measure it again: now and then one does.
+    from coordinator.gamma.policy import PREFILL_PROBE_EVERY
+    priors = GammaPriors()
+    alone = [priors.probe_prefill(calls=1.0) for _ in range(3 * PREFILL_PROBE_EVERY)]
+    assert alone.count(True) == 3 and alone[PREFILL_PROBE_EVERY - 1] and not any(alone[:PREFILL_PROBE_EVERY - 1])
+    assert not any(priors.probe_prefill(calls=8.0) for _ in range(3 * PREFILL_PROBE_EVERY))   # loaded: never

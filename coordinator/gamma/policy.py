@@ -17,6 +17,11 @@ from coordinator.gamma.cost import LOAD_ALONE, CostModel
 from coordinator.gamma.load import ServiceLoad
 from coordinator.rounds import RoundRecord
 
+# One in this many requests refused the draft model for its prefill's cost drafts all the
+# same (GammaPriors.probe_prefill): a sixteenth of such requests pay a drafter prefill, so
+# that a draft cost measured high once can be measured again.
+PREFILL_PROBE_EVERY = 16
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -254,6 +259,24 @@ class GammaPriors:
         self.cost = cost or CostModel()
         self.rounds = 0
         self.curves: dict[str, object] = {}   # the services' latest published curves (follow)
+        self.prefill_refusals = 0             # requests since the last the model drafted anyway
+
+    def probe_prefill(self, calls: float) -> bool:
+        """For a request whose drafter prefill was not expected to pay: whether it
+        drafts with the model all the same, one in PREFILL_PROBE_EVERY such requests
+        made alone (never under load, where skipping the drafter spares the others).
+        What refused it (the drafter's published curve, its prefill's cost) learns
+        only from requests that draft: a curve measured high once (a warm-up beside
+        the verifier's own load, or a busy neighbour) would otherwise keep the draft
+        model off for the service's life."""
+        if calls > LOAD_ALONE:
+            return False
+        with self.lock:
+            self.prefill_refusals += 1
+            if self.prefill_refusals < PREFILL_PROBE_EVERY:
+                return False
+            self.prefill_refusals = 0
+            return True
 
     def follow(self, **curves) -> None:
         """The services' newest curves (CostModel.follow's arguments): new requests
