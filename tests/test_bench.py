@@ -36,6 +36,10 @@ def test_bench_quick_on_the_tiny_pair(tmp_path, capsys):
     assert len(runs) == 2 * 2 * len(systems)
     assert len((out / "runs.jsonl").read_text().splitlines()) == len(runs)  # written as they ended
     assert all(0 < r["new_tokens"] <= 32 and r["seconds"] > 0 for r in runs)
+    # Every service run prefilled its prompt cold, as the in-process ones do: none found
+    # what another system's run of the same prompt left in the prefix caches.
+    served = [r for r in runs if not r["system"].startswith("hf-")]
+    assert served and all(float(r["stats"].get("prefix_cached_tokens", 0)) == 0 for r in served)
 
     rows = {(r["category"], r["temperature"], r["system"]): r for r in report["summary"]}
     # Whether the adaptive systems draft at all is the policy's call on this machine's

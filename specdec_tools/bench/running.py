@@ -69,14 +69,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def second_turns(runner: ServiceSystems, system: str, question, temperature: float, seed: int, first: Run,
-                 tokenizer) -> list[Run]:
-    """The question's second turn after `first`'s answer: as served (the prefix
-    caches hold the first turn), then cold (a cache salt of its own)."""
+                 tokenizer, salt: str) -> list[Run]:
+    """The question's second turn after `first`'s answer: as served (under the first
+    turn's cache salt, so the prefix caches hold the first turn), then cold (a cache
+    salt of its own)."""
     messages = [{"role": "user", "content": question.prompt},
                 {"role": "assistant", "content": tokenizer.decode(first.token_ids, skip_special_tokens=True)},
                 {"role": "user", "content": question.second_turn}]
     ids = chat_ids(tokenizer, messages)
-    return [runner.run(system, question, temperature, seed, ids, messages, turn=2),
+    return [runner.run(system, question, temperature, seed, ids, messages, cache_salt=salt, turn=2),
             runner.run(system, question, temperature, seed, ids, messages, cache_salt=uuid.uuid4().hex,
                        label=system + COLD, turn=2)]
 
@@ -146,14 +147,21 @@ def main(argv: list[str] | None = None) -> int:
                     runner = (in_process if system in (HF_GENERATE, HF_ASSISTED) else
                               llama if system.startswith(LLAMA_CPP) else
                               bf16_services if system.endswith(BF16) else services)
-                    run = runner.run(system, question, temperature, args.seed + qi, prompt_ids)
+                    # Every service run prefills its prompt cold, as llama.cpp's and transformers'
+                    # do: under a salt of its own, the prefix caches hold nothing another system's
+                    # run of the same prompt left (the first system of a prompt would pay the
+                    # prefill that the others then skip).
+                    salt = uuid.uuid4().hex
+                    run = (runner.run(system, question, temperature, args.seed + qi, prompt_ids, cache_salt=salt)
+                           if runner in (services, bf16_services) else
+                           runner.run(system, question, temperature, args.seed + qi, prompt_ids))
                     runs.append(run)
                     progress.write(json.dumps(asdict(run)) + "\n")
                     progress.flush()
                     if args.turns == 2 and question.second_turn and runner in (services, bf16_services):
                         turn_runs.append(run)
                         for second in second_turns(runner, system, question, temperature, args.seed + qi, run,
-                                                   target.tokenizer):
+                                                   target.tokenizer, salt):
                             turn_runs.append(second)
                             progress.write(json.dumps(asdict(second)) + "\n")
                             say(f"  second turn, {second.system}: {second.stat('prompt_tokens'):.0f} prompt tokens "
