@@ -237,7 +237,7 @@ class SpeculativeEngine:
             # What is left to prefill: the drafter's prefix cache may hold the prompt's start.
             uncached = len(g.context) - g.proposer.cached_prefix(g.context)
             if not g.controller.prefill_pays(uncached, request.max_new_tokens - 1) \
-                    and not self.gamma_priors.probe_prefill(g.controller.calls()):
+                    and not self.gamma_priors.probe_prefill(g.controller.calls(), uncached):
                 self._without_model(g, f"drafting was not expected to save what the drafter's prefill of the "
                                        f"{len(g.context)}-token prompt ({uncached} of them not in its prefix cache) "
                                        f"costs (with {g.controller.calls():.1f} calls sharing each verifier forward)")

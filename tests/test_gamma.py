@@ -471,11 +471,14 @@ def test_plans_follow_the_curves_the_services_publish_again():
     assert frozen.verify_ms(0) == 40.0 and frozen.draft_curve.measured == [20.0]
 
 
-def test_one_request_in_sixteen_refused_for_its_prefill_drafts_all_the_same_but_never_under_load():
+def test_now_and_then_a_request_refused_for_its_prefill_drafts_all_the_same_but_never_under_load():
     # A draft cost measured high once (a warm-up beside the verifier's load) keeps every request off
-    # the draft model, and only requests that draft measure it again: now and then one does.
-    from coordinator.gamma.policy import PREFILL_PROBE_EVERY
+    # the draft model, and only requests that draft measure it again: now and then a short one does.
+    from coordinator.gamma.policy import PREFILL_PROBE_EVERY, PREFILL_PROBE_MAX_TOKENS
     priors = GammaPriors()
-    alone = [priors.probe_prefill(calls=1.0) for _ in range(3 * PREFILL_PROBE_EVERY)]
+    alone = [priors.probe_prefill(calls=1.0, prompt_tokens=80) for _ in range(3 * PREFILL_PROBE_EVERY)]
     assert alone.count(True) == 3 and alone[PREFILL_PROBE_EVERY - 1] and not any(alone[:PREFILL_PROBE_EVERY - 1])
-    assert not any(priors.probe_prefill(calls=8.0) for _ in range(3 * PREFILL_PROBE_EVERY))   # loaded: never
+    many = 3 * PREFILL_PROBE_EVERY
+    assert not any(priors.probe_prefill(calls=8.0, prompt_tokens=80) for _ in range(many))    # loaded: never
+    assert not any(priors.probe_prefill(calls=1.0, prompt_tokens=PREFILL_PROBE_MAX_TOKENS + 1)  # a long prefill:
+                   for _ in range(many))                                                       # never probed

@@ -18,9 +18,11 @@ from coordinator.gamma.load import ServiceLoad
 from coordinator.rounds import RoundRecord
 
 # One in this many requests refused the draft model for its prefill's cost drafts all the
-# same (GammaPriors.probe_prefill): a sixteenth of such requests pay a drafter prefill, so
-# that a draft cost measured high once can be measured again.
-PREFILL_PROBE_EVERY = 16
+# same (GammaPriors.probe_prefill), if its prompt is short enough to cost the drafter
+# little (a few hundred ms at the 0.5B's 1-2 ms a token): so a draft cost measured high
+# once is measured again within a few requests, at the price of a short prefill.
+PREFILL_PROBE_EVERY = 4
+PREFILL_PROBE_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -261,15 +263,16 @@ class GammaPriors:
         self.curves: dict[str, object] = {}   # the services' latest published curves (follow)
         self.prefill_refusals = 0             # requests since the last the model drafted anyway
 
-    def probe_prefill(self, calls: float) -> bool:
+    def probe_prefill(self, calls: float, prompt_tokens: int) -> bool:
         """For a request whose drafter prefill was not expected to pay: whether it
         drafts with the model all the same, one in PREFILL_PROBE_EVERY such requests
-        made alone (never under load, where skipping the drafter spares the others).
+        made alone (never under load, where skipping the drafter spares the others)
+        with at most PREFILL_PROBE_MAX_TOKENS to prefill.
         What refused it (the drafter's published curve, its prefill's cost) learns
         only from requests that draft: a curve measured high once (a warm-up beside
         the verifier's own load, or a busy neighbour) would otherwise keep the draft
         model off for the service's life."""
-        if calls > LOAD_ALONE:
+        if calls > LOAD_ALONE or prompt_tokens > PREFILL_PROBE_MAX_TOKENS:
             return False
         with self.lock:
             self.prefill_refusals += 1
