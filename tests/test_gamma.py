@@ -472,7 +472,7 @@ def test_plans_follow_the_curves_the_services_publish_again():
 
 
 def test_now_and_then_a_request_refused_for_its_prefill_drafts_all_the_same_but_never_under_load():
-    # A draft cost measured high once (a warm-up beside the verifier's load) keeps every request off
+    # A draft cost measured high once (a warm-up on a slow start) keeps every request off
     # the draft model, and only requests that draft measure it again: now and then a short one does.
     from coordinator.gamma.policy import PREFILL_PROBE_EVERY, PREFILL_PROBE_MAX_TOKENS
     priors = GammaPriors()

@@ -270,8 +270,8 @@ class GammaPriors:
         with at most PREFILL_PROBE_MAX_TOKENS to prefill.
         What refused it (the drafter's published curve, its prefill's cost) learns
         only from requests that draft: a curve measured high once (a warm-up beside
-        the verifier's own load, or a busy neighbour) would otherwise keep the draft
-        model off for the service's life."""
+        a busy neighbour, or on a slow start) would otherwise keep the draft model
+        off for the service's life."""
         if calls > LOAD_ALONE or prompt_tokens > PREFILL_PROBE_MAX_TOKENS:
             return False
         with self.lock:

@@ -103,6 +103,18 @@ def checked(backend: Backend, codes: torch.Tensor, scales: torch.Tensor,
     return None
 
 
+def prepared(weight_format: str, codes: torch.Tensor, scales: torch.Tensor,
+             reference: Callable[[torch.Tensor], torch.Tensor], per_row: bool = False) -> list[tuple[Backend, object]]:
+    """[(backend, its weight)] for every usable backend of this format (per-row ones
+    only, with `per_row`) that passes its check on this layer against `reference`."""
+    out = []
+    for backend in usable(weight_format, per_row):
+        state = checked(backend, codes, scales, reference)
+        if state is not None:
+            out.append((backend, state))
+    return out
+
+
 def bucket(rows: int) -> int:
     """Rows alike enough to share a choice: each count up to 8 (kernels take rows
     in passes of 4 or so), then powers of two."""

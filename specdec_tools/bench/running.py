@@ -151,14 +151,14 @@ def main(argv: list[str] | None = None) -> int:
                     # do: under a salt of its own, the prefix caches hold nothing another system's
                     # run of the same prompt left (the first system of a prompt would pay the
                     # prefill that the others then skip).
+                    served = runner in (services, bf16_services)
                     salt = uuid.uuid4().hex
-                    run = (runner.run(system, question, temperature, args.seed + qi, prompt_ids, cache_salt=salt)
-                           if runner in (services, bf16_services) else
-                           runner.run(system, question, temperature, args.seed + qi, prompt_ids))
+                    run = runner.run(system, question, temperature, args.seed + qi, prompt_ids,
+                                     **({"cache_salt": salt} if served else {}))
                     runs.append(run)
                     progress.write(json.dumps(asdict(run)) + "\n")
                     progress.flush()
-                    if args.turns == 2 and question.second_turn and runner in (services, bf16_services):
+                    if args.turns == 2 and question.second_turn and served:
                         turn_runs.append(run)
                         for second in second_turns(runner, system, question, temperature, args.seed + qi, run,
                                                    target.tokenizer, salt):

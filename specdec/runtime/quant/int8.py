@@ -156,15 +156,11 @@ class Int8Linear(nn.Module):
         accel = self.__dict__.get("_accel")
         if accel is None:
             accel = []
-            backends = kernels.usable("int8-channel")
-            if backends:
+            if kernels.usable("int8-channel"):
                 codes, scales, bias = self._codes()
                 without_bias = (lambda x: torch.ops.quantized.linear_dynamic(x, self._packed, _reduce_range())
                                 - (bias if bias is not None else 0))
-                for backend in backends:
-                    state = kernels.checked(backend, codes, scales, without_bias)
-                    if state is not None:
-                        accel.append((backend, state))
+                accel = kernels.prepared("int8-channel", codes, scales, without_bias)
                 self._bias = bias
             self._accel = accel
         return accel
@@ -238,13 +234,8 @@ class Int8WeightOnlyLinear(nn.Module):
         checked against its own kernel on the first call; none where none installs."""
         accel = self.__dict__.get("_accel")
         if accel is None:
-            accel = []
-            if self.int8_activations:
-                for backend in kernels.usable("int8-channel", per_row=True):
-                    state = kernels.checked(backend, self.qweight, self.scales.float(), self._weight_only)
-                    if state is not None:
-                        accel.append((backend, state))
-            self._accel = accel
+            accel = self._accel = kernels.prepared("int8-channel", self.qweight, self.scales.float(),
+                                                   self._weight_only, per_row=True) if self.int8_activations else []
         return accel
 
     def __getstate__(self):
