@@ -115,3 +115,37 @@ def test_other_families_say_why_they_take_transformers_forward():
     assert lean.supports(model) is None
     model.config.model_type = "gpt2"
     assert "gpt2" in lean.supports(model)
+
+
+def test_a_calls_logits_do_not_depend_on_a_prefill_sharing_its_forward(monkeypatch):
+    # A batched forward of 70 + 3 rows may take the dense path (70 rows is prefill-sized);
+    # the 3-row call's rows must still take the kernel, as they would alone, and the
+    # prefill's the path its own rows take alone.
+    from specdec.runtime import kernels
+    config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    _int4_everywhere(model)
+    forward = lean.LeanForward(model)
+    monkeypatch.setattr(kernels, "_CHOICE", {})
+    chosen = {("int4", layer.out_features, layer.in_features, "prefill", kernels.bucket(70)): "dense"
+              for layer in forward.linears()}  # the dense path wherever it is asked (70 and 73 rows: one bucket)
+    kernels._CHOICE.update(chosen)
+    prompt, draft, other = list(range(3, 23)), [40, 41, 42], [(7 * i) % 290 + 5 for i in range(70)]
+
+    def alone(tokens: list[int], feed: list[int], keep_last: int):
+        cache = forward.new_cache()
+        forward(torch.tensor(tokens), cache, keep_last=1)
+        return forward(torch.tensor(feed), cache, keep_last=keep_last), cache
+
+    want, _ = alone(prompt, draft, 3)
+    prefilled = forward.new_cache()
+    forward(torch.tensor(prompt), prefilled, keep_last=1)
+    fresh = forward.new_cache()
+    got = forward.batch([(torch.tensor(other), fresh, 0), (torch.tensor(draft), prefilled, 3)])[1]
+    assert torch.equal(got, want)
+    kernel_cache = forward.new_cache()
+    forward(torch.tensor(other), kernel_cache, keep_last=0)  # alone: the dense path, as chosen above
+    assert torch.equal(fresh.buffer[:, :, :, :70], kernel_cache.buffer[:, :, :, :70])
+    assert {k: v for k, v in kernels._CHOICE.items() if k[0] == "int4"} == chosen  # no other bucket was asked

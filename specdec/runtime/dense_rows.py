@@ -19,11 +19,15 @@ step (one row, the kernel) would at a near tie, and speculative greedy output
 would then differ from target-only, depending on which path timed faster on
 that start. Decode, verification and batches of them all stay on the kernel's
 arithmetic; only prefill-sized calls, whose keys and values both paths share,
-may take the dense path.
+may take the dense path. That holds per call, not per forward: where a batched
+forward mixes calls of both kinds (a new prompt beside other sessions' decode
+rows), each call's rows take the path they would take alone (`by_call`), so a
+session's logits do not depend on what else shares its forward.
 """
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -43,6 +47,45 @@ def run(key: tuple, rows: int, few: Callable[[], torch.Tensor], many: Callable[[
     if rows < MIN_ROWS:
         return few()
     return kernels.pick((*key, "kept" if kept else "prefill"), rows, dict(zip(names, (few, many))))
+
+
+_CALLS: list[list[int]] = []  # the rows of each call in the forward running now (on the torch thread)
+
+
+@contextmanager
+def by_call(rows: Sequence[int]) -> Iterator[None]:
+    """Within: the layers' inputs are these calls' rows, in order (a batched forward's)."""
+    _CALLS.append(list(rows))
+    try:
+        yield
+    finally:
+        _CALLS.pop()
+
+
+def run_rows(key: tuple, x: torch.Tensor, few: Callable[[torch.Tensor], torch.Tensor],
+             many: Callable[[torch.Tensor], torch.Tensor], kept: bool = False) -> torch.Tensor:
+    """A layer's output over x [rows, in] by `few` (its kernel) or `many` (dense), as
+    `run` chooses; within `by_call`, the rows of each call take the path that call's
+    rows would take alone: those of calls under MIN_ROWS the kernel, the others
+    together the path timed for their count."""
+    rows = x.shape[0]
+    calls = _CALLS[-1] if _CALLS else None
+    if rows < MIN_ROWS:
+        return few(x)
+    if calls is None or sum(calls) != rows or all(n >= MIN_ROWS for n in calls):
+        return run(key, rows, lambda: few(x), lambda: many(x), kept=kept)
+    if all(n < MIN_ROWS for n in calls):
+        return few(x)
+    small, large, start = [], [], 0
+    for n in calls:
+        (small if n < MIN_ROWS else large).append(torch.arange(start, start + n, device=x.device))
+        start += n
+    small_rows, large_rows = torch.cat(small), torch.cat(large)
+    large_x = x.index_select(0, large_rows)
+    y_small = few(x.index_select(0, small_rows))
+    y_large = run(key, large_x.shape[0], lambda: few(large_x), lambda: many(large_x), kept=kept)
+    out = y_small.new_empty((rows, y_small.shape[-1]), dtype=torch.promote_types(y_small.dtype, y_large.dtype))
+    return out.index_copy_(0, small_rows, y_small.to(out.dtype)).index_copy_(0, large_rows, y_large.to(out.dtype))
 
 
 def unpack(rows: int, cols: int, dtype: torch.dtype,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # Qwen2's is the same
 
 from specdec.runtime import dense_rows
 from specdec.runtime.quant.base import fuse
@@ -154,10 +153,15 @@ class _Layer:
         self.gate_up = fuse(gate_up)
         self.mlp = mlp
 
-    def project_qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qk_v(self, h: torch.Tensor, qk_heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [R, hidden] -> the queries' and keys' heads side by side [R, qk_heads, dim]
+        (one rotary for both), and the values [R, kv_size]."""
+        rows = h.shape[0]
         if self.qkv is None:
-            return self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        return self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+            return torch.cat([q, k], dim=-1).view(rows, qk_heads, dim), v
+        qkv = self.qkv(h)
+        return qkv[:, :self.q_size + self.kv_size].view(rows, qk_heads, dim), qkv[:, self.q_size + self.kv_size:]
 
     def linears(self) -> list[nn.Module]:
         """The projections this layer's forward calls (a fused one, not its parts)."""
@@ -170,6 +174,20 @@ class _Layer:
             return self.mlp(h)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return self.mlp.down_proj(self.mlp.act_fn(gate) * up)
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [R, dim] with its first half negated: rotate_half(x) * sin is then
+    roll(x, dim / 2) * signed sin, exactly (a negation rounds nothing)."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [R, heads, dim] rotated at each row's position (cos, signed_sin [R, 1, dim]):
+    x * cos + rotate_half(x) * sin, the arithmetic transformers' rotary does, in 4
+    ops over the queries' and keys' heads together, where it takes 7 for each."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -249,34 +267,20 @@ class LeanForward:
             rows, start = ids.shape[0], cache.length
             cache.reserve(start + rows)
             spans.append((rows, start, start + rows))
-        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         ids = items[0][0] if len(items) == 1 else torch.cat([ids for ids, _, _ in items])
         device = ids.device
         x = self.embed(ids)                                                              # [R, hidden]
         positions = [torch.arange(start, end, device=device) for _, start, end in spans]
         cos, sin = self.rotary(x[None], (positions[0] if len(items) == 1 else torch.cat(positions))[None])
-        cos, sin = cos[0], sin[0]                                                        # [R, dim] each
+        cos, sin = cos[0, :, None], _signed_sin(sin[0])[:, None]                           # [R, 1, dim] each
         # Row i of a sequence sees its positions 0..start+i; a single row sees everything, so needs no mask.
         masks = [None if rows == 1 else torch.arange(end, device=device)[None, :] <= pos[:, None]   # [T, end]
                  for (rows, _, end), pos in zip(spans, positions)]
         offsets = [0]
         for rows, _, _ in spans:
             offsets.append(offsets[-1] + rows)
-        for i, layer in enumerate(self.layers):
-            q, k, v = layer.project_qkv(_rms_norm(layer.input_norm, x))                 # [R, *]
-            outs = []
-            for j, ((rows, start, end), (_, cache, _)) in enumerate(zip(spans, items)):
-                lo, hi = offsets[j], offsets[j + 1]
-                qj = q[lo:hi].reshape(rows, heads, dim).transpose(0, 1)                   # [heads, T, dim]
-                kj = k[lo:hi].reshape(rows, kv_heads, dim).transpose(0, 1)                # [kv_heads, T, dim]
-                qj, kj = apply_rotary_pos_emb(qj, kj, cos[lo:hi], sin[lo:hi], unsqueeze_dim=0)
-                kv = cache.buffer
-                kv[i, 0, :, start:end] = kj
-                kv[i, 1, :, start:end] = v[lo:hi].reshape(rows, kv_heads, dim).transpose(0, 1)
-                out = _attention(qj, kv[i, 0, :, :end], kv[i, 1, :, :end], masks[j])      # [heads, T, dim]
-                outs.append(out.transpose(0, 1).reshape(rows, heads * dim))
-            x = x + layer.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
-            x = x + layer.feed_forward(_rms_norm(layer.post_norm, x))
+        with dense_rows.by_call([rows for rows, _, _ in spans]):  # each call's rows on its own path
+            x = self._layers(x, items, spans, offsets, cos, sin, masks)
         for (_, _, end), (_, cache, _) in zip(spans, items):
             cache.length = end
         # The LM head only over the rows kept: [sum keep_last, hidden].
@@ -287,5 +291,25 @@ class LeanForward:
             rows_kept = torch.cat([x[lo:hi] for lo, hi in kept])
         if rows_kept.shape[0] == 0:
             return [rows_kept.new_empty((0, 0), dtype=torch.float32) for _ in items]
-        logits = self.lm_head(_rms_norm(self.norm, rows_kept)).float()
+        with dense_rows.by_call([keep_last for _, _, keep_last in items]):
+            logits = self.lm_head(_rms_norm(self.norm, rows_kept)).float()
         return list(logits.split([keep_last for _, _, keep_last in items]))
+
+    def _layers(self, x: torch.Tensor, items, spans, offsets, cos, sin, masks) -> torch.Tensor:
+        """The decoder layers over x [R, hidden], each sequence's keys and values into its cache."""
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        for i, layer in enumerate(self.layers):
+            qk, v = layer.project_qk_v(_rms_norm(layer.input_norm, x), heads + kv_heads, dim)  # [R, h + kv, dim]
+            qk = _rotary(qk, cos, sin)
+            outs = []
+            for j, ((rows, start, end), (_, cache, _)) in enumerate(zip(spans, items)):
+                lo, hi = offsets[j], offsets[j + 1]
+                kv = cache.buffer
+                kv[i, 0, :, start:end] = qk[lo:hi, heads:].transpose(0, 1)                 # [kv_heads, T, dim]
+                kv[i, 1, :, start:end] = v[lo:hi].reshape(rows, kv_heads, dim).transpose(0, 1)
+                out = _attention(qk[lo:hi, :heads].transpose(0, 1), kv[i, 0, :, :end], kv[i, 1, :, :end],
+                                 masks[j])                                                # [heads, T, dim]
+                outs.append(out.transpose(0, 1).reshape(rows, heads * dim))
+            x = x + layer.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+            x = x + layer.feed_forward(_rms_norm(layer.post_norm, x))
+        return x

@@ -191,8 +191,8 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(self.dtype)                             # [rows, K]
-        y = dense_rows.run(("int4", self.out_features, self.in_features), x2.shape[0],
-                           lambda: self._kernel(x2), lambda: self._dense(x2), kept=dense_rows.is_kept(self))
+        y = dense_rows.run_rows(("int4", self.out_features, self.in_features), x2, self._kernel, self._dense,
+                                kept=dense_rows.is_kept(self))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)

@@ -188,8 +188,8 @@ class Int8Linear(nn.Module):
             fused, start, end = self._fused
             return fused(x)[..., start:end]
         flat = x.reshape(-1, self.in_features).float()
-        out = dense_rows.run(("int8-dynamic", self.out_features, self.in_features), flat.shape[0],
-                             lambda: self._kernel(flat), lambda: self._dense(flat))
+        out = dense_rows.run_rows(("int8-dynamic", self.out_features, self.in_features), flat,
+                                  self._kernel, self._dense)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -254,10 +254,9 @@ class Int8WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features], in x's dtype
         flat = x.reshape(-1, self.in_features).bfloat16()
-        out = dense_rows.run(("int8", self.out_features, self.in_features), flat.shape[0],
-                             lambda: self._kernel(flat),
-                             lambda: F.linear(flat, dense_rows.weight(self, self.dense_weight)),
-                             kept=dense_rows.is_kept(self)).to(x.dtype)
+        out = dense_rows.run_rows(("int8", self.out_features, self.in_features), flat, self._kernel,
+                                  lambda rows: F.linear(rows, dense_rows.weight(self, self.dense_weight)),
+                                  kept=dense_rows.is_kept(self)).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
