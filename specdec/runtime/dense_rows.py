@@ -69,18 +69,16 @@ def run_rows(key: tuple, x: torch.Tensor, few: Callable[[torch.Tensor], torch.Te
     rows would take alone: those of calls under MIN_ROWS the kernel, the others
     together the path timed for their count."""
     rows = x.shape[0]
-    calls = _CALLS[-1] if _CALLS else None
-    if rows < MIN_ROWS:
+    if rows < MIN_ROWS:  # every call under it too: the decode path, first
         return few(x)
-    if calls is None or sum(calls) != rows or all(n >= MIN_ROWS for n in calls):
+    calls = _CALLS[-1] if _CALLS and sum(_CALLS[-1]) == rows else [rows]
+    small = torch.tensor([n < MIN_ROWS for n in calls])
+    if small.all():
+        return few(x)
+    if not small.any():
         return run(key, rows, lambda: few(x), lambda: many(x), kept=kept)
-    if all(n < MIN_ROWS for n in calls):
-        return few(x)
-    small, large, start = [], [], 0
-    for n in calls:
-        (small if n < MIN_ROWS else large).append(torch.arange(start, start + n, device=x.device))
-        start += n
-    small_rows, large_rows = torch.cat(small), torch.cat(large)
+    in_small = torch.repeat_interleave(small, torch.tensor(calls))            # [rows]: the row's call is small
+    small_rows, large_rows = in_small.nonzero()[:, 0].to(x.device), (~in_small).nonzero()[:, 0].to(x.device)
     large_x = x.index_select(0, large_rows)
     y_small = few(x.index_select(0, small_rows))
     y_large = run(key, large_x.shape[0], lambda: few(large_x), lambda: many(large_x), kept=kept)

@@ -295,8 +295,11 @@ class LeanForward:
             logits = self.lm_head(_rms_norm(self.norm, rows_kept)).float()
         return list(logits.split([keep_last for _, _, keep_last in items]))
 
-    def _layers(self, x: torch.Tensor, items, spans, offsets, cos, sin, masks) -> torch.Tensor:
-        """The decoder layers over x [R, hidden], each sequence's keys and values into its cache."""
+    def _layers(self, x: torch.Tensor, items: list[tuple[torch.Tensor, StaticKVCache, int]],
+                spans: list[tuple[int, int, int]], offsets: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                masks: list[torch.Tensor | None]) -> torch.Tensor:
+        """The decoder layers over x [R, hidden] (sequence j's rows at offsets[j]:offsets[j + 1],
+        its positions spans[j]), each sequence's keys and values into its cache."""
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         for i, layer in enumerate(self.layers):
             qk, v = layer.project_qk_v(_rms_norm(layer.input_norm, x), heads + kv_heads, dim)  # [R, h + kv, dim]
