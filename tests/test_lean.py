@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specdec.runtime import lean
+from specdec.runtime import dense_rows, lean
 from specdec.runtime.quant.int4 import GROUP, Int4Linear
 from specdec.runtime.kv_cache import SequenceCache
 from specdec.runtime.models import load_model
@@ -117,10 +117,11 @@ def test_other_families_say_why_they_take_transformers_forward():
     assert "gpt2" in lean.supports(model)
 
 
-def test_a_calls_logits_do_not_depend_on_a_prefill_sharing_its_forward(monkeypatch):
-    # A batched forward of 70 + 3 rows may take the dense path (70 rows is prefill-sized);
-    # the 3-row call's rows must still take the kernel, as they would alone, and the
-    # prefill's the path its own rows take alone.
+@pytest.mark.parametrize("prefill_rows", [70, 20])
+def test_a_calls_logits_do_not_depend_on_a_prefill_sharing_its_forward(monkeypatch, prefill_rows):
+    # A batched forward of a prefill chunk and a 3-row verify call: the chunk may take the
+    # dense path (at any size: it keeps no logits), the 3-row call's rows must still take
+    # the kernel, as they would alone, and the chunk's the path its own rows take alone.
     from specdec.runtime import kernels
     config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
@@ -129,10 +130,11 @@ def test_a_calls_logits_do_not_depend_on_a_prefill_sharing_its_forward(monkeypat
     _int4_everywhere(model)
     forward = lean.LeanForward(model)
     monkeypatch.setattr(kernels, "_CHOICE", {})
-    chosen = {("int4", layer.out_features, layer.in_features, "prefill", kernels.bucket(70)): "dense"
-              for layer in forward.linears()}  # the dense path wherever it is asked (70 and 73 rows: one bucket)
+    chosen = {("int4", layer.out_features, layer.in_features, "prefill", kernels.bucket(prefill_rows)): "dense"
+              for layer in forward.linears()}  # the dense path wherever the chunk's rows ask
     kernels._CHOICE.update(chosen)
-    prompt, draft, other = list(range(3, 23)), [40, 41, 42], [(7 * i) % 290 + 5 for i in range(70)]
+    prompt, draft = list(range(3, 23)), [40, 41, 42]
+    other = [(7 * i) % 290 + 5 for i in range(prefill_rows)]
 
     def alone(tokens: list[int], feed: list[int], keep_last: int):
         cache = forward.new_cache()
@@ -145,7 +147,11 @@ def test_a_calls_logits_do_not_depend_on_a_prefill_sharing_its_forward(monkeypat
     fresh = forward.new_cache()
     got = forward.batch([(torch.tensor(other), fresh, 0), (torch.tensor(draft), prefilled, 3)])[1]
     assert torch.equal(got, want)
-    kernel_cache = forward.new_cache()
-    forward(torch.tensor(other), kernel_cache, keep_last=0)  # alone: the dense path, as chosen above
-    assert torch.equal(fresh.buffer[:, :, :, :70], kernel_cache.buffer[:, :, :, :70])
+    chunk_alone = forward.new_cache()
+    forward(torch.tensor(other), chunk_alone, keep_last=0)  # alone: the dense path, as chosen above
+    assert torch.equal(fresh.buffer[:, :, :, :prefill_rows], chunk_alone.buffer[:, :, :, :prefill_rows])
+    if prefill_rows < dense_rows.MIN_ROWS:  # the same rows keeping logits: the kernel, whose keys differ
+        kernel_cache = forward.new_cache()
+        forward(torch.tensor(other), kernel_cache, keep_last=1)
+        assert not torch.equal(kernel_cache.buffer[:, :, :, :prefill_rows], chunk_alone.buffer[:, :, :, :prefill_rows])
     assert {k: v for k, v in kernels._CHOICE.items() if k[0] == "int4"} == chosen  # no other bucket was asked

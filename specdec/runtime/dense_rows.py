@@ -12,17 +12,20 @@ matmul runs at bf16 speed; with the dense weights kept (`keep`, the services'
 rows and the machine, so it is measured: the first call of each shape and
 power-of-two row count times both (`kernels.pick`) and remembers.
 
-Below MIN_ROWS the kernel is always used, kept weight or not. The dense weight
-is the kernel's weight rounded to bf16, so its logits are not the kernel's: a
-verify call (γ + 1 rows) on it can pick another greedy token than the decode
-step (one row, the kernel) would at a near tie, and speculative greedy output
-would then differ from target-only, depending on which path timed faster on
-that start. Decode, verification and batches of them all stay on the kernel's
-arithmetic; only prefill-sized calls, whose keys and values both paths share,
-may take the dense path. That holds per call, not per forward: where a batched
-forward mixes calls of both kinds (a new prompt beside other sessions' decode
-rows), each call's rows take the path they would take alone (`by_call`), so a
-session's logits do not depend on what else shares its forward.
+A call that keeps logits takes the kernel below MIN_ROWS, kept weight or not.
+The dense weight is the kernel's weight rounded to bf16, so its logits are not
+the kernel's: a verify call (γ + 1 rows) on it can pick another greedy token
+than the decode step (one row, the kernel) would at a near tie, and speculative
+greedy output would then differ from target-only, depending on which path timed
+faster on that start. Decode, verification and batches of them all stay on the
+kernel's arithmetic. A prefill chunk keeps no logits: it writes keys and values
+that target-only and speculative requests read alike, so it takes whichever path
+measured faster at any row count (a 40-token chat prompt ran at 21-26 ms a token
+through the 1.5B's int4 kernel, against 9-11 dense). That holds per call, not per
+forward: where a batched forward mixes calls of both kinds (a new prompt beside
+other sessions' decode rows), each call's rows take the path they would take
+alone (`by_call`), so a session's logits do not depend on what else shares its
+forward.
 """
 from __future__ import annotations
 
@@ -34,28 +37,31 @@ from torch import nn
 
 from specdec.runtime import kernels
 
-MIN_ROWS = 64  # fewer rows: always the kernel (decode and verify calls, batches of them)
+MIN_ROWS = 64  # fewer rows in a call that keeps logits: always the kernel (decode and verify calls)
 CHUNK_ROWS = 512  # rows unpacked at a time: a few MB of fp32, which stays in cache
 
 
 def run(key: tuple, rows: int, few: Callable[[], torch.Tensor], many: Callable[[], torch.Tensor],
-        names: tuple[str, str] = ("kernel", "dense"), kept: bool = False) -> torch.Tensor:
+        names: tuple[str, str] = ("kernel", "dense"), kept: bool = False, prefill: bool = False) -> torch.Tensor:
     """few() or many(), the same result within roundings; `key` names the layer's shape.
     The choice is kernels.pick's: timed TRIES times each (a first call pays one-off
     costs, such as oneDNN building its kernel for a new shape, that must not decide
-    it), per row bucket, and reported with the other kernel choices."""
-    if rows < MIN_ROWS:
+    it), per row bucket, and reported with the other kernel choices. Under MIN_ROWS
+    rows few() runs, but for a prefill chunk's rows (`prefill`: no logits kept)."""
+    if rows < MIN_ROWS and not prefill:
         return few()
     return kernels.pick((*key, "kept" if kept else "prefill"), rows, dict(zip(names, (few, many))))
 
 
-_CALLS: list[list[int]] = []  # the rows of each call in the forward running now (on the torch thread)
+_CALLS: list[tuple[list[int], list[bool]]] = []  # the forward running now (on the torch thread): its calls' rows,
+#                                                    and which of them are prefill chunks
 
 
 @contextmanager
-def by_call(rows: Sequence[int]) -> Iterator[None]:
-    """Within: the layers' inputs are these calls' rows, in order (a batched forward's)."""
-    _CALLS.append(list(rows))
+def by_call(rows: Sequence[int], prefill: Sequence[bool] | None = None) -> Iterator[None]:
+    """Within: the layers' inputs are these calls' rows, in order (a batched forward's);
+    prefill[i]: call i is a prefill chunk (it keeps no logits)."""
+    _CALLS.append((list(rows), list(prefill) if prefill is not None else [False] * len(rows)))
     try:
         yield
     finally:
@@ -66,24 +72,25 @@ def run_rows(key: tuple, x: torch.Tensor, few: Callable[[torch.Tensor], torch.Te
              many: Callable[[torch.Tensor], torch.Tensor], kept: bool = False) -> torch.Tensor:
     """A layer's output over x [rows, in] by `few` (its kernel) or `many` (dense), as
     `run` chooses; within `by_call`, the rows of each call take the path that call's
-    rows would take alone: those of calls under MIN_ROWS the kernel, the others
-    together the path timed for their count."""
+    rows would take alone: those of calls that keep logits under MIN_ROWS the kernel,
+    the others (prefill chunks, and calls of MIN_ROWS or more) together the path timed
+    for their count."""
     rows = x.shape[0]
-    if rows < MIN_ROWS:  # every call under it too: the decode path, first
+    calls, prefill = _CALLS[-1] if _CALLS and sum(_CALLS[-1][0]) == rows else ([rows], [False])
+    if rows < MIN_ROWS and not any(prefill):  # every call keeps logits and is under it: the decode path, first
         return few(x)
-    calls = _CALLS[-1] if _CALLS and sum(_CALLS[-1]) == rows else [rows]
-    small = torch.tensor([n < MIN_ROWS for n in calls])
-    if small.all():
+    free = torch.tensor([p or n >= MIN_ROWS for n, p in zip(calls, prefill)])  # [calls]: may leave the kernel
+    if not free.any():
         return few(x)
-    if not small.any():
-        return run(key, rows, lambda: few(x), lambda: many(x), kept=kept)
-    in_small = torch.repeat_interleave(small, torch.tensor(calls))            # [rows]: the row's call is small
-    small_rows, large_rows = in_small.nonzero()[:, 0].to(x.device), (~in_small).nonzero()[:, 0].to(x.device)
-    large_x = x.index_select(0, large_rows)
+    if free.all():
+        return run(key, rows, lambda: few(x), lambda: many(x), kept=kept, prefill=True)
+    in_free = torch.repeat_interleave(free, torch.tensor(calls))               # [rows]: the row's call is free
+    small_rows, free_rows = (~in_free).nonzero()[:, 0].to(x.device), in_free.nonzero()[:, 0].to(x.device)
+    free_x = x.index_select(0, free_rows)
     y_small = few(x.index_select(0, small_rows))
-    y_large = run(key, large_x.shape[0], lambda: few(large_x), lambda: many(large_x), kept=kept)
-    out = y_small.new_empty((rows, y_small.shape[-1]), dtype=torch.promote_types(y_small.dtype, y_large.dtype))
-    return out.index_copy_(0, small_rows, y_small.to(out.dtype)).index_copy_(0, large_rows, y_large.to(out.dtype))
+    y_free = run(key, free_x.shape[0], lambda: few(free_x), lambda: many(free_x), kept=kept, prefill=True)
+    out = y_small.new_empty((rows, y_small.shape[-1]), dtype=torch.promote_types(y_small.dtype, y_free.dtype))
+    return out.index_copy_(0, small_rows, y_small.to(out.dtype)).index_copy_(0, free_rows, y_free.to(out.dtype))
 
 
 def unpack(rows: int, cols: int, dtype: torch.dtype,

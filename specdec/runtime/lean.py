@@ -279,7 +279,8 @@ class LeanForward:
         offsets = [0]
         for rows, _, _ in spans:
             offsets.append(offsets[-1] + rows)
-        with dense_rows.by_call([rows for rows, _, _ in spans]):  # each call's rows on its own path
+        with dense_rows.by_call([rows for rows, _, _ in spans],  # each call's rows on its own path
+                                [keep_last == 0 for _, _, keep_last in items]):
             x = self._layers(x, items, spans, offsets, cos, sin, masks)
         for (_, _, end), (_, cache, _) in zip(spans, items):
             cache.length = end
