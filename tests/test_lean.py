@@ -155,3 +155,68 @@ def test_a_calls_logits_do_not_depend_on_a_prefill_sharing_its_forward(monkeypat
         forward(torch.tensor(other), kernel_cache, keep_last=1)
         assert not torch.equal(kernel_cache.buffer[:, :, :, :prefill_rows], chunk_alone.buffer[:, :, :, :prefill_rows])
     assert {k: v for k, v in kernels._CHOICE.items() if k[0] == "int4"} == chosen  # no other bucket was asked
+
+
+def test_prefill_chunks_sharing_a_forward_each_take_their_own_buckets_path(monkeypatch):
+    # Two sessions' prefill chunks beside a verify call: the 20-row chunk's bucket chose the
+    # dense path, the 8-row chunk's the kernel, and a 30-row chunk's bucket is not timed yet.
+    # Each chunk's keys and values, and the verify call's logits, must be what each gives
+    # alone, bit for bit, whatever their rows add up to.
+    from specdec.runtime import kernels
+    config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    _int4_everywhere(model)
+    forward = lean.LeanForward(model)
+    monkeypatch.setattr(kernels, "_CHOICE", {})
+    for layer in forward.linears():
+        shape = ("int4", layer.out_features, layer.in_features, "prefill")
+        kernels._CHOICE[(*shape, kernels.bucket(20))] = "dense"
+        kernels._CHOICE[(*shape, kernels.bucket(8))] = "kernel"
+    chunks = {n: [(11 * i + n) % 290 + 5 for i in range(n)] for n in (20, 8, 30)}
+
+    def alone_kv(tokens: list[int]) -> torch.Tensor:
+        cache = forward.new_cache()
+        forward(torch.tensor(tokens), cache, keep_last=0)
+        return cache.buffer[:, :, :, :len(tokens)].clone()
+
+    prompt, draft = list(range(3, 23)), [40, 41, 42]
+    prefilled = forward.new_cache()
+    forward(torch.tensor(prompt), prefilled, keep_last=1)
+    want = forward(torch.tensor(draft), prefilled, keep_last=3)
+    prefilled.length -= 3  # rolled back: the same three rows again, batched
+    caches = {n: forward.new_cache() for n in chunks}
+    got = forward.batch([(torch.tensor(chunks[20]), caches[20], 0), (torch.tensor(chunks[8]), caches[8], 0),
+                         (torch.tensor(chunks[30]), caches[30], 0), (torch.tensor(draft), prefilled, 3)])[3]
+    assert torch.equal(got, want)
+    for n, tokens in chunks.items():
+        assert torch.equal(caches[n].buffer[:, :, :, :n], alone_kv(tokens)), n
+    asked = {k[-1] for k in kernels._CHOICE if k[0] == "int4"}
+    assert asked == {kernels.bucket(20), kernels.bucket(8), kernels.bucket(30)}  # never the 58 rows' bucket
+
+
+def test_a_verify_calls_logits_and_keys_are_a_decode_steps_to_the_bit():
+    # Greedy speculative output equals target-only output only if a verify call's row gives
+    # what a one-row decode step at that position gives, bit for bit: over every prefix
+    # length and call size, including the short ones where a masked call's reductions over
+    # its whole length would round differently. The int4 target, whose kernels compute each
+    # row on its own (a float32 nn.Linear's GEMM does not: its rows vary with the call's).
+    config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    _int4_everywhere(model)
+    forward = lean.LeanForward(model)
+    tokens = [(13 * i + 7) % 290 + 5 for i in range(60)]
+    for prefix in (1, 3, 5, 9, 17, 33):
+        steps = forward.new_cache()
+        forward(torch.tensor(tokens[:prefix]), steps, keep_last=0)
+        want = torch.cat([forward(torch.tensor([t]), steps, keep_last=1) for t in tokens[prefix:prefix + 9]])
+        for rows in (2, 3, 5, 9):
+            cache = forward.new_cache()
+            forward(torch.tensor(tokens[:prefix]), cache, keep_last=0)
+            got = forward(torch.tensor(tokens[prefix:prefix + rows]), cache, keep_last=rows)
+            assert torch.equal(got, want[:rows]), (prefix, rows)
+            end = prefix + rows
+            assert torch.equal(cache.buffer[:, :, :, :end], steps.buffer[:, :, :, :end]), (prefix, rows)

@@ -20,15 +20,16 @@ greedy output would then differ from target-only, depending on which path timed
 faster on that start. Decode, verification and batches of them all stay on the
 kernel's arithmetic. A prefill chunk keeps no logits: it writes keys and values
 that target-only and speculative requests read alike, so it takes whichever path
-measured faster at any row count (a 40-token chat prompt ran at 21-26 ms a token
+measured faster from 2 rows (a 40-token chat prompt ran at 21-26 ms a token
 through the 1.5B's int4 kernel, against 9-11 dense). That holds per call, not per
-forward: where a batched forward mixes calls of both kinds (a new prompt beside
-other sessions' decode rows), each call's rows take the path they would take
-alone (`by_call`), so a session's logits do not depend on what else shares its
-forward.
+forward: where a batched forward mixes calls (new prompts beside other sessions'
+decode rows), each call's rows take the path they would take alone, the one its
+own row bucket chose (`by_call`), so a session's logits and keys do not depend
+on what else shares its forward.
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
 
@@ -38,7 +39,14 @@ from torch import nn
 from specdec.runtime import kernels
 
 MIN_ROWS = 64  # fewer rows in a call that keeps logits: always the kernel (decode and verify calls)
+MIN_PREFILL_ROWS = 2  # one row: the kernel (its fastest path; a 1-row dense matmul runs oneDNN's GEMV, whose
+#                       bits differ from the same row's in a matmul of more rows)
 CHUNK_ROWS = 512  # rows unpacked at a time: a few MB of fp32, which stays in cache
+
+
+def timed(rows: int, prefill: bool) -> bool:
+    """Whether a call of `rows` may leave the kernel for the path its row bucket timed faster."""
+    return rows >= MIN_ROWS or (prefill and rows >= MIN_PREFILL_ROWS)
 
 
 def run(key: tuple, rows: int, few: Callable[[], torch.Tensor], many: Callable[[], torch.Tensor],
@@ -46,11 +54,15 @@ def run(key: tuple, rows: int, few: Callable[[], torch.Tensor], many: Callable[[
     """few() or many(), the same result within roundings; `key` names the layer's shape.
     The choice is kernels.pick's: timed TRIES times each (a first call pays one-off
     costs, such as oneDNN building its kernel for a new shape, that must not decide
-    it), per row bucket, and reported with the other kernel choices. Under MIN_ROWS
-    rows few() runs, but for a prefill chunk's rows (`prefill`: no logits kept)."""
-    if rows < MIN_ROWS and not prefill:
+    it), per row bucket, and reported with the other kernel choices. A call that
+    is not `timed` (fewer than MIN_ROWS rows keeping logits) runs few()."""
+    if not timed(rows, prefill):
         return few()
-    return kernels.pick((*key, "kept" if kept else "prefill"), rows, dict(zip(names, (few, many))))
+    return kernels.pick(_key(key, kept), rows, dict(zip(names, (few, many))))
+
+
+def _key(key: tuple, kept: bool) -> tuple:
+    return (*key, "kept" if kept else "prefill")
 
 
 _CALLS: list[tuple[list[int], list[bool]]] = []  # the forward running now (on the torch thread): its calls' rows,
@@ -71,26 +83,39 @@ def by_call(rows: Sequence[int], prefill: Sequence[bool] | None = None) -> Itera
 def run_rows(key: tuple, x: torch.Tensor, few: Callable[[torch.Tensor], torch.Tensor],
              many: Callable[[torch.Tensor], torch.Tensor], kept: bool = False) -> torch.Tensor:
     """A layer's output over x [rows, in] by `few` (its kernel) or `many` (dense), as
-    `run` chooses; within `by_call`, the rows of each call take the path that call's
-    rows would take alone: those of calls that keep logits under MIN_ROWS the kernel,
-    the others (prefill chunks, and calls of MIN_ROWS or more) together the path timed
-    for their count."""
+    `run` chooses; within `by_call`, each call's rows take the path that call would
+    take alone: the kernel for a call that is not `timed`, else the choice of the
+    call's own row bucket. Rows are then gathered by path, one kernel call and one
+    dense matmul at most (each computes a row the same in any call of 2 rows or
+    more); a call whose bucket is not timed yet is timed on its own rows."""
     rows = x.shape[0]
     calls, prefill = _CALLS[-1] if _CALLS and sum(_CALLS[-1][0]) == rows else ([rows], [False])
     if rows < MIN_ROWS and not any(prefill):  # every call keeps logits and is under it: the decode path, first
         return few(x)
-    free = torch.tensor([p or n >= MIN_ROWS for n, p in zip(calls, prefill)])  # [calls]: may leave the kernel
-    if not free.any():
+    if len(calls) == 1:
+        return run(key, rows, lambda: few(x), lambda: many(x), kept=kept, prefill=prefill[0])
+    paths = [kernels.chosen(_key(key, kept), n) if timed(n, p) else "kernel" for n, p in zip(calls, prefill)]
+    if all(path == "kernel" for path in paths):
         return few(x)
-    if free.all():
-        return run(key, rows, lambda: few(x), lambda: many(x), kept=kept, prefill=True)
-    in_free = torch.repeat_interleave(free, torch.tensor(calls))               # [rows]: the row's call is free
-    small_rows, free_rows = (~in_free).nonzero()[:, 0].to(x.device), in_free.nonzero()[:, 0].to(x.device)
-    free_x = x.index_select(0, free_rows)
-    y_small = few(x.index_select(0, small_rows))
-    y_free = run(key, free_x.shape[0], lambda: few(free_x), lambda: many(free_x), kept=kept, prefill=True)
-    out = y_small.new_empty((rows, y_small.shape[-1]), dtype=torch.promote_types(y_small.dtype, y_free.dtype))
-    return out.index_copy_(0, small_rows, y_small.to(out.dtype)).index_copy_(0, free_rows, y_free.to(out.dtype))
+    offsets = [0]
+    for n in calls:
+        offsets.append(offsets[-1] + n)
+    pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row indices, their output)
+    for i, path in enumerate(paths):
+        if path is None:  # the call's bucket not timed yet: timed on its rows alone
+            xi = x[offsets[i]:offsets[i + 1]]
+            pieces.append((torch.arange(offsets[i], offsets[i + 1], device=x.device),
+                           run(key, calls[i], lambda: few(xi), lambda: many(xi), kept=kept, prefill=True)))
+    for name, compute in (("kernel", few), ("dense", many)):
+        index = [torch.arange(offsets[i], offsets[i + 1]) for i, path in enumerate(paths) if path == name]
+        if index:
+            index = torch.cat(index).to(x.device)
+            pieces.append((index, compute(x.index_select(0, index))))
+    out = pieces[0][1].new_empty((rows, pieces[0][1].shape[-1]),
+                                 dtype=functools.reduce(torch.promote_types, (y.dtype for _, y in pieces)))
+    for index, y in pieces:
+        out.index_copy_(0, index, y.to(out.dtype))
+    return out
 
 
 def unpack(rows: int, cols: int, dtype: torch.dtype,

@@ -121,6 +121,11 @@ def bucket(rows: int) -> int:
     return rows if rows <= 8 else 1 << (rows - 1).bit_length()
 
 
+def chosen(key: tuple, rows: int) -> str | None:
+    """The kernel `pick` chose for (key, rows) (not per layer), or None before it has."""
+    return _CHOICE.get((*key, bucket(rows)))
+
+
 def pick(key: tuple, rows: int, kernels: dict[str, Callable[[], torch.Tensor]],
          per_layer: bool = False) -> torch.Tensor:
     """kernels[name]() for the kernel chosen for (key, rows); the first calls of a

@@ -138,6 +138,21 @@ def _bmm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return torch.bmm(probs, v).view(heads, rows, dim).to(q.dtype)
 
 
+def _attention_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """q [heads, T, dim] at positions start.., k and v [kv_heads, start + T, dim] -> [heads, T, dim],
+    each row as a one-row step at its position computes it: over its own prefix, unmasked.
+
+    A masked call over T rows reduces every row's softmax and value sum over the
+    call's whole length, and the CPU's kernels block those reductions by length:
+    on the 1.5B int4 target a 3-row verification then gave other bits than three
+    decode steps from the first layer on, and greedy speculative output left
+    target-only's on 2 of 4 short prompts. Row by row, a verification's logits
+    are a decode step's, bit for bit, for T small calls instead of one."""
+    rows = q.shape[1]
+    return torch.cat([_bmm_attention(q[:, r:r + 1], k[:, :start + r + 1], v[:, :start + r + 1], None)
+                      for r in range(rows)], dim=1)
+
+
 class _Layer:
     """One decoder layer's modules, with q/k/v and gate/up fused where their weights allow."""
 
@@ -273,15 +288,20 @@ class LeanForward:
         positions = [torch.arange(start, end, device=device) for _, start, end in spans]
         cos, sin = self.rotary(x[None], (positions[0] if len(items) == 1 else torch.cat(positions))[None])
         cos, sin = cos[0, :, None], _signed_sin(sin[0])[:, None]                           # [R, 1, dim] each
-        # Row i of a sequence sees its positions 0..start+i; a single row sees everything, so needs no mask.
-        masks = [None if rows == 1 else torch.arange(end, device=device)[None, :] <= pos[:, None]   # [T, end]
-                 for (rows, _, end), pos in zip(spans, positions)]
+        # A call whose logits pick tokens (decode, verify: under MIN_ROWS, keeping logits) computes
+        # each row's attention as a one-row step would (`_attention_by_row`), on the CPU, where
+        # the result is the kernels' to the bit; others take one masked call. Row i of a
+        # sequence sees its positions 0..start+i; a single row sees everything, so needs no mask.
+        by_row = [device.type == "cpu" and 1 < rows < dense_rows.MIN_ROWS and keep_last > 0
+                  for (rows, _, _), (_, _, keep_last) in zip(spans, items)]
+        masks = [None if rows == 1 or row_wise else torch.arange(end, device=device)[None, :] <= pos[:, None]
+                 for (rows, _, end), pos, row_wise in zip(spans, positions, by_row)]                # [T, end]
         offsets = [0]
         for rows, _, _ in spans:
             offsets.append(offsets[-1] + rows)
         with dense_rows.by_call([rows for rows, _, _ in spans],  # each call's rows on its own path
                                 [keep_last == 0 for _, _, keep_last in items]):
-            x = self._layers(x, items, spans, offsets, cos, sin, masks)
+            x = self._layers(x, items, spans, offsets, cos, sin, masks, by_row)
         for (_, _, end), (_, cache, _) in zip(spans, items):
             cache.length = end
         # The LM head only over the rows kept: [sum keep_last, hidden].
@@ -298,9 +318,10 @@ class LeanForward:
 
     def _layers(self, x: torch.Tensor, items: list[tuple[torch.Tensor, StaticKVCache, int]],
                 spans: list[tuple[int, int, int]], offsets: list[int], cos: torch.Tensor, sin: torch.Tensor,
-                masks: list[torch.Tensor | None]) -> torch.Tensor:
+                masks: list[torch.Tensor | None], by_row: list[bool]) -> torch.Tensor:
         """The decoder layers over x [R, hidden] (sequence j's rows at offsets[j]:offsets[j + 1],
-        its positions spans[j]), each sequence's keys and values into its cache."""
+        its positions spans[j]), each sequence's keys and values into its cache; sequence j's
+        attention under masks[j], or row by row where by_row[j]."""
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         for i, layer in enumerate(self.layers):
             qk, v = layer.project_qk_v(_rms_norm(layer.input_norm, x), heads + kv_heads, dim)  # [R, h + kv, dim]
@@ -311,8 +332,9 @@ class LeanForward:
                 kv = cache.buffer
                 kv[i, 0, :, start:end] = qk[lo:hi, heads:].transpose(0, 1)                 # [kv_heads, T, dim]
                 kv[i, 1, :, start:end] = v[lo:hi].reshape(rows, kv_heads, dim).transpose(0, 1)
-                out = _attention(qk[lo:hi, :heads].transpose(0, 1), kv[i, 0, :, :end], kv[i, 1, :, :end],
-                                 masks[j])                                                # [heads, T, dim]
+                q, keys, values = qk[lo:hi, :heads].transpose(0, 1), kv[i, 0, :, :end], kv[i, 1, :, :end]
+                out = (_attention_by_row(q, keys, values, start) if by_row[j]
+                       else _attention(q, keys, values, masks[j]))                        # [heads, T, dim]
                 outs.append(out.transpose(0, 1).reshape(rows, heads * dim))
             x = x + layer.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
             x = x + layer.feed_forward(_rms_norm(layer.post_norm, x))
