@@ -90,6 +90,16 @@ def _int4_everywhere(model: torch.nn.Module) -> None:
                 setattr(parent, name, Int4Linear(codes.to(torch.uint8), scale, -low, child.bias))
 
 
+def _tiny_int4_forward(heads: int = 2, kv_heads: int = 1) -> lean.LeanForward:
+    """The lean forward of a 2-layer bf16 Qwen2 whose decoder Linears are all int4."""
+    config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    _int4_everywhere(model)
+    return lean.LeanForward(model)
+
+
 def test_int4_qkv_and_gate_up_are_fused_and_give_transformers_logits():
     config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
@@ -123,12 +133,7 @@ def test_a_calls_logits_do_not_depend_on_a_prefill_sharing_its_forward(monkeypat
     # dense path (at any size: it keeps no logits), the 3-row call's rows must still take
     # the kernel, as they would alone, and the chunk's the path its own rows take alone.
     from specdec.runtime import kernels
-    config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
-    _int4_everywhere(model)
-    forward = lean.LeanForward(model)
+    forward = _tiny_int4_forward()
     monkeypatch.setattr(kernels, "_CHOICE", {})
     chosen = {("int4", layer.out_features, layer.in_features, "prefill", kernels.bucket(prefill_rows)): "dense"
               for layer in forward.linears()}  # the dense path wherever the chunk's rows ask
@@ -163,12 +168,7 @@ def test_prefill_chunks_sharing_a_forward_each_take_their_own_buckets_path(monke
     # Each chunk's keys and values, and the verify call's logits, must be what each gives
     # alone, bit for bit, whatever their rows add up to.
     from specdec.runtime import kernels
-    config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
-    _int4_everywhere(model)
-    forward = lean.LeanForward(model)
+    forward = _tiny_int4_forward()
     monkeypatch.setattr(kernels, "_CHOICE", {})
     for layer in forward.linears():
         shape = ("int4", layer.out_features, layer.in_features, "prefill")
@@ -202,12 +202,7 @@ def test_a_verify_calls_logits_and_keys_are_a_decode_steps_to_the_bit():
     # length and call size, including the short ones where a masked call's reductions over
     # its whole length would round differently. The int4 target, whose kernels compute each
     # row on its own (a float32 nn.Linear's GEMM does not: its rows vary with the call's).
-    config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
-    _int4_everywhere(model)
-    forward = lean.LeanForward(model)
+    forward = _tiny_int4_forward(heads=4, kv_heads=2)
     tokens = [(13 * i + 7) % 290 + 5 for i in range(60)]
     for prefix in (1, 3, 5, 9, 17, 33):
         steps = forward.new_cache()

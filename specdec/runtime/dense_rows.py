@@ -21,7 +21,7 @@ faster on that start. Decode, verification and batches of them all stay on the
 kernel's arithmetic. A prefill chunk keeps no logits: it writes keys and values
 that target-only and speculative requests read alike, so it takes whichever path
 measured faster from 2 rows (a 40-token chat prompt ran at 21-26 ms a token
-through the 1.5B's int4 kernel, against 9-11 dense). That holds per call, not per
+through the 1.5B's int4 kernel, against 13-17 timed). That holds per call, not per
 forward: where a batched forward mixes calls (new prompts beside other sessions'
 decode rows), each call's rows take the path they would take alone, the one its
 own row bucket chose (`by_call`), so a session's logits and keys do not depend
