@@ -288,19 +288,19 @@ class LeanForward:
         positions = [torch.arange(start, end, device=device) for _, start, end in spans]
         cos, sin = self.rotary(x[None], (positions[0] if len(items) == 1 else torch.cat(positions))[None])
         cos, sin = cos[0, :, None], _signed_sin(sin[0])[:, None]                           # [R, 1, dim] each
-        # A call whose logits pick tokens (decode, verify: under MIN_ROWS, keeping logits) computes
+        # A call whose logits pick tokens (decode, verify: those dense_rows keeps on the kernel) computes
         # each row's attention as a one-row step would (`_attention_by_row`), on the CPU, where
         # the result is the kernels' to the bit; others take one masked call. Row i of a
         # sequence sees its positions 0..start+i; a single row sees everything, so needs no mask.
-        by_row = [device.type == "cpu" and 1 < rows < dense_rows.MIN_ROWS and keep_last > 0
-                  for (rows, _, _), (_, _, keep_last) in zip(spans, items)]
+        prefill = [keep_last == 0 for _, _, keep_last in items]                          # no logits kept
+        by_row = [device.type == "cpu" and rows > 1 and not dense_rows.timed(rows, chunk)
+                  for (rows, _, _), chunk in zip(spans, prefill)]
         masks = [None if rows == 1 or row_wise else torch.arange(end, device=device)[None, :] <= pos[:, None]
                  for (rows, _, end), pos, row_wise in zip(spans, positions, by_row)]                # [T, end]
         offsets = [0]
         for rows, _, _ in spans:
             offsets.append(offsets[-1] + rows)
-        with dense_rows.by_call([rows for rows, _, _ in spans],  # each call's rows on its own path
-                                [keep_last == 0 for _, _, keep_last in items]):
+        with dense_rows.by_call([rows for rows, _, _ in spans], prefill):  # each call's rows on its own path
             x = self._layers(x, items, spans, offsets, cos, sin, masks, by_row)
         for (_, _, end), (_, cache, _) in zip(spans, items):
             cache.length = end

@@ -242,6 +242,9 @@ class Int8WeightOnlyLinear(nn.Module):
         # Saved in the model cache: the accelerated kernels' weights are this machine's, made again on load.
         return {k: v for k, v in self.__dict__.items() if k not in ("_accel", "_kept_dense")}
 
+    def _dense(self, flat: torch.Tensor) -> torch.Tensor:
+        return F.linear(flat, dense_rows.weight(self, self.dense_weight))
+
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
         accel = self._accelerated()
         if not accel:
@@ -254,8 +257,7 @@ class Int8WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features], in x's dtype
         flat = x.reshape(-1, self.in_features).bfloat16()
-        out = dense_rows.run_rows(("int8", self.out_features, self.in_features), flat, self._kernel,
-                                  lambda rows: F.linear(rows, dense_rows.weight(self, self.dense_weight)),
+        out = dense_rows.run_rows(("int8", self.out_features, self.in_features), flat, self._kernel, self._dense,
                                   kept=dense_rows.is_kept(self)).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(x.dtype)
