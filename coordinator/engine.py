@@ -27,7 +27,6 @@ from coordinator.rounds import RoundRecord
 
 DECODE_CHUNK = 16  # target-only tokens per Decode call (one streamed message each)
 FIXED_MIN_MATCH = 3  # fixed γ: a lookup backed by this many context tokens drafts before the model
-MIN_PRICED_PREFILL = 64  # tokens a drafter prefill past its cached prefix needs to price prefills by
 
 
 def fixed_plan(lookup: Lookup, gamma: int, model: bool) -> Plan:
@@ -258,12 +257,10 @@ class SpeculativeEngine:
         g.stats.draft_prefix_cached_tokens = cached = g.proposer.prefix_cached_tokens
         if g.proposer.drafts_with_model:
             self.metrics.observe_prefix("draft", len(g.context), cached)
-        prefilled = len(g.context) - cached
-        if (g.controller is not None and g.proposer.drafts_with_model
-                and (not cached or prefilled >= MIN_PRICED_PREFILL)):
-            # Priced per token prefilled (what the prefix cache supplied cost next to nothing);
-            # a few tokens past a cached prefix time the call's fixed cost, not the prefill.
-            g.controller.state.cost.observe_draft_prefill(prefilled, prefill_ms)
+        if g.controller is not None and g.proposer.drafts_with_model:
+            # Priced by the tokens prefilled (what the prefix cache supplied cost next to
+            # nothing): a few past a cached prefix time the call's fixed cost.
+            g.controller.state.cost.observe_draft_prefill(len(g.context) - cached, prefill_ms)
 
     @staticmethod
     def _without_model(g: "Generation", why: str) -> None:

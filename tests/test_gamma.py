@@ -230,7 +230,7 @@ def test_a_new_request_leans_on_the_prior_only_for_its_first_rounds():
 
 # --- cost curves (the services' measured forward time by rows) -----------------
 
-from coordinator.gamma import ControllerState, CostModel, RowCurve  # noqa: E402
+from coordinator.gamma import ControllerState, CostModel, RowCurve, prefill_line  # noqa: E402
 from coordinator.service import curve_gamma_max  # noqa: E402
 
 INT4_CURVE = [38, 42, 47, 52, 96, 100, 105, 110, 150, 155, 160, 165, 205, 210, 215, 220, 260]  # 4 rows a pass
@@ -291,31 +291,49 @@ MEASURED_INT4 = [38.7, 41.5, 47.6, 52.3, 95.9]
 
 def test_a_long_prompt_is_not_drafted_where_drafting_saves_less_than_the_drafters_prefill():
     controller = controller_on(MEASURED_INT4, draft_ms_per_token=22.0, alpha=0.8)
-    controller.state.cost.draft_prefill = 1.2
+    controller.state.cost.draft_prefill = prefill_line([22.0], 1.2)
     best = max(range(1, 17), key=controller.goodput)
     saving_per_token = controller.state.cost.round_ms(0) - 1e3 / controller.goodput(best)
     assert 0 < saving_per_token < 6  # drafting pays a little here, per token
     assert controller.prefill_pays(prompt_tokens=100, new_tokens=512)
     assert not controller.prefill_pays(prompt_tokens=1500, new_tokens=64)   # rag: 1.8 s to save < 0.4 s
     assert controller.prefill_pays(prompt_tokens=1500, new_tokens=2048)     # ... unless there is much to generate
-    assert controller.prefill_pays(prompt_tokens=20, new_tokens=1)          # within a target step: always
+    assert controller.prefill_pays(prompt_tokens=10, new_tokens=1)          # within a target step: always
+    assert not controller.prefill_pays(prompt_tokens=20, new_tokens=1)      # 46 ms: past it
 
 
 def test_where_drafting_saves_much_a_long_prompt_is_drafted():
     controller = controller_on(BF16_CURVE, draft_ms_per_token=6.0, alpha=0.9)
-    controller.state.cost.draft_prefill = 1.2
+    controller.state.cost.draft_prefill = prefill_line([6.0], 1.2)
     assert controller.prefill_pays(prompt_tokens=1500, new_tokens=64)
 
 
 def test_the_drafters_prefill_cost_starts_from_its_info_and_follows_measured_prefills():
     cost = CostModel.from_curves([20.0], MEASURED_INT4, draft_prefill_ms_per_token=2.0)
-    assert cost.draft_prefill_ms(100) == 200.0
+    assert cost.draft_prefill_ms(100) == 220.0         # a 1-row forward for the call, 2 ms a token
     cost.observe_draft_prefill(100, 100.0)             # the first measurement replaces the prior
-    assert cost.draft_prefill_ms(100) == pytest.approx(100.0)
+    assert cost.draft_prefill_ms(100) == pytest.approx(100.0, rel=0.02)
     for _ in range(40):
         cost.observe_draft_prefill(1000, 1500.0)
-    assert cost.draft_prefill_ms(100) == pytest.approx(150.0, rel=0.01)
+    assert cost.draft_prefill_ms(1000) == pytest.approx(1500.0, rel=0.01)
     assert CostModel().draft_prefill_ms(1000) == 0.0   # unknown (an n-gram proposer): free
+    assert CostModel.from_curves([20.0], MEASURED_INT4).draft_prefill_ms(1000) == 0.0
+
+
+def test_a_short_prompts_drafter_prefill_is_priced_with_the_calls_fixed_cost():
+    # As measured on the AVX-512 EPYC: StartSession's time by prompt tokens, a fixed
+    # ~90 ms (RPC, session, first token) and ~4 ms a token; the published per-token
+    # figure (2.8) alone priced a 16-token prompt at a third of its cost.
+    measured = {16: 154.0, 43: 262.0, 76: 388.0, 127: 610.0}
+    cost = CostModel.from_curves([25.0], MEASURED_INT4, draft_prefill_ms_per_token=2.8)
+    for _ in range(5):
+        for tokens, ms in measured.items():
+            cost.observe_draft_prefill(tokens, ms)
+    for tokens, ms in measured.items():
+        assert cost.draft_prefill_ms(tokens) == pytest.approx(ms, rel=0.05)
+    # A per-token price fitted to the same prefills misses the short ones by far more.
+    per_token = sum(measured.values()) / sum(measured)
+    assert abs(per_token * 16 - 154.0) / 154.0 > 0.4
 
 
 # The measured int4 1.5B and INT8 0.5B curves of this machine (ms for 1..17 rows).
@@ -455,7 +473,7 @@ def test_plans_follow_the_curves_the_services_publish_again():
     priors.follow(draft_ms=[20.0], verify_ms=[40.0, 41.0, 42.0], draft_prefill_ms_per_token=2.0)
     fresh = priors.start(SamplingConfig())
     assert fresh.cost.verify_ms(0) == pytest.approx(40.0) and fresh.cost.draft(1) == pytest.approx(22.0 * 1.0, rel=0.1)
-    assert fresh.cost.draft_prefill == 2.0
+    assert fresh.cost.draft_prefill_ms(100) == pytest.approx(20.0 + 200.0)
     # A request that started before, ending now, does not put the old curve back.
     priors.finish(SamplingConfig(), running)
     assert priors.start(SamplingConfig()).cost.verify_ms(1) == pytest.approx(41.0)

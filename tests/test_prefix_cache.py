@@ -4,6 +4,10 @@ KV pool's budget; and through the services, the same greedy output with it on
 and off, alone and with eight clients sharing a system prompt."""
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -247,3 +251,43 @@ def test_keys_kept_between_stores_follow_a_rollback_and_new_tokens(tiny_target):
     assert cache.attach(again, b"") == blocks * B
     assert torch.allclose(again.forward([], keep_last=1),
                           cold_logits(tiny_target, seq.tokens[:blocks * B + 1]), atol=1e-4)
+
+
+
+# Run in a process of its own, so no other test's threads come or go meanwhile.
+_COPY_ON_A_CALLS_THREAD = """
+import os, threading, torch
+from specdec.runtime import lean
+B = 16
+if torch.get_num_threads() < 2:
+    print("one-core"); raise SystemExit
+cache = lean.StaticKVCache(8, 4, 128, torch.float32, torch.device("cpu"))  # blocks of 131,072 values
+cache.reserve(4 * B); cache.buffer.normal_(); cache.length = 4 * B
+copied, blocks = lean.StaticKVCache(8, 4, 128, torch.float32, torch.device("cpu")), []
+done, go_on = threading.Event(), threading.Event()
+def call():
+    blocks.extend(cache.block(b * B, (b + 1) * B) for b in range(4))   # what store does
+    copied.load_blocks(blocks, B)                                      # what attach does
+    done.set(); go_on.wait(30)
+before = len(os.listdir("/proc/self/task"))
+thread = threading.Thread(target=call); thread.start(); done.wait(30)
+during = len(os.listdir("/proc/self/task"))
+go_on.set(); thread.join()
+print(before, during, torch.equal(copied.buffer[:, :, :, :4 * B], cache.buffer[:, :, :, :4 * B]))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_storing_and_attaching_blocks_on_a_calls_thread_starts_no_openmp_team():
+    # The prefix cache copies on the RPC thread of the call that stores or attaches.
+    # A torch copy there starts an OpenMP team for that thread (a worker per extra
+    # core, alive while the thread is), and a second team in the process slows every
+    # forward of the torch thread (specdec.runtime.torch_thread).
+    out = subprocess.run([sys.executable, "-c", _COPY_ON_A_CALLS_THREAD], capture_output=True, text=True,
+                         timeout=120, cwd=pathlib.Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if out.stdout.strip() == "one-core":
+        pytest.skip("one core: OpenMP starts no worker, so a copy cannot show one")
+    before, during, same = out.stdout.split()
+    assert int(during) == int(before) + 1, "the copies started threads beside the calling one"
+    assert same == "True"

@@ -43,10 +43,10 @@ from coordinator.gamma.acceptance import (LOOKUP_PRIORS, MATCH_BUCKETS, Acceptan
 
 
                                           lookup_acceptances, match_bucket)
-from coordinator.gamma.cost import LOAD_ALONE, CostModel, EwLinearFit, RowCurve
+from coordinator.gamma.cost import LOAD_ALONE, CostModel, EwLinearFit, RowCurve, prefill_line
 from coordinator.gamma.load import ServiceLoad
 from coordinator.gamma.policy import ControllerState, GammaController, GammaPriors, Plan, regime
 
 __all__ = ["Acceptance", "Calibration", "ControllerState", "CostModel", "EwLinearFit", "GammaController", "GammaPriors",
            "LOAD_ALONE", "LOOKUP_PRIORS", "MATCH_BUCKETS", "Plan", "RowCurve", "ServiceLoad", "lookup_acceptances",
-           "match_bucket", "regime"]
+           "match_bucket", "prefill_line", "regime"]

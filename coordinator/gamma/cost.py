@@ -96,9 +96,11 @@ class CostModel:
     verify: EwLinearFit = field(default_factory=lambda: EwLinearFit(default=(100.0, 5.0), b_over_a=0.05))
     verify_curve: RowCurve | None = None  # from the verifier's Info; the line above is the fallback
     draft_curve: RowCurve | None = None   # from the drafter's Info: its batched draft steps under load
-    # The proposer's prefill, ms per prompt token (0: free or unknown): from the
-    # drafter's Info, then an EWMA over measured prefills.
-    draft_prefill: float = 0.0
+    # The proposer's prefill: a line in the tokens prefilled, a + b·n (None: free or
+    # unknown). It starts from the drafter's Info (a 1-row forward for the call, its
+    # published ms per token) and is fitted to measured prefills: a StartSession's
+    # fixed cost (the RPC, the session, the first token) is most of a short prompt's.
+    draft_prefill: EwLinearFit | None = None
     draft_prefills_seen: int = 0
     # Plan on the services' published curves alone, never on measured rounds: the
     # choice of γ is then the same on every machine (tests, policy comparisons).
@@ -108,7 +110,7 @@ class CostModel:
     def from_curves(cls, draft_ms: Sequence[float], verify_ms: Sequence[float],
                     draft_prefill_ms_per_token: float = 0.0) -> "CostModel":
         """Start from the services' measured curves (either may be empty: not measured)."""
-        model = cls(draft_prefill=float(draft_prefill_ms_per_token))
+        model = cls(draft_prefill=prefill_line(draft_ms, draft_prefill_ms_per_token))
         if draft_ms:  # a draft token: one 1-row forward, plus a little for sampling and the RPC
             model.draft = EwLinearFit(default=(1.0, float(draft_ms[0]) * 1.1), a_over_b=0.05)
             model.draft_curve = RowCurve(draft_ms)
@@ -133,16 +135,17 @@ class CostModel:
             if self.draft.sw == 0:  # no measured draft round yet: the line starts from the curve
                 self.draft = EwLinearFit(default=(1.0, float(draft_ms[0]) * 1.1), a_over_b=0.05)
         if draft_prefill_ms_per_token and not self.draft_prefills_seen:
-            self.draft_prefill = float(draft_prefill_ms_per_token)
+            curve = draft_ms or (self.draft_curve.measured if self.draft_curve is not None else ())
+            self.draft_prefill = prefill_line(curve, draft_prefill_ms_per_token)
 
-    def observe_draft_prefill(self, tokens: int, ms: float, rate: float = 0.2) -> None:
-        if tokens <= 0 or self.frozen:
+    def observe_draft_prefill(self, tokens: int, ms: float) -> None:
+        if tokens <= 0 or self.frozen or self.draft_prefill is None:
             return
         self.draft_prefills_seen += 1
-        self.draft_prefill += max(rate, 1 / self.draft_prefills_seen) * (ms / tokens - self.draft_prefill)
+        self.draft_prefill.observe(tokens, ms)
 
     def draft_prefill_ms(self, tokens: int) -> float:
-        return self.draft_prefill * tokens
+        return self.draft_prefill(tokens) if self.draft_prefill is not None and tokens > 0 else 0.0
 
     def observe(self, gamma: int, draft_ms: float, verify_ms: float, draft_alone: bool = True,
                 verify_alone: bool = True, model_tokens: int | None = None) -> None:
@@ -194,6 +197,18 @@ class CostModel:
     def marginal_verify_ms(self, gamma: int, calls: float = 1.0) -> float:
         """What verifying one more draft token costs on top of γ of them."""
         return max(self.verify_ms(gamma + 1, calls) - self.verify_ms(gamma, calls), 0.0)
+
+
+def prefill_line(draft_ms: Sequence[float], ms_per_token: float) -> EwLinearFit | None:
+    """The drafter's prefill before any is measured: a 1-row forward for the call
+    (without a curve, 20 tokens' worth) plus the published ms per token; fitted with
+    that split as its weak prior (prompt lengths vary, and a prefill is not quite a
+    line: a prior as strong as the draft line's would bend the fit). None: no model
+    prefill."""
+    if ms_per_token <= 0:
+        return None
+    fixed = float(draft_ms[0]) if draft_ms else 20.0 * ms_per_token
+    return EwLinearFit(default=(fixed, float(ms_per_token)), a_over_b=fixed / ms_per_token, decay=0.95, weight=0.01)
 
 
 LOAD_ALONE = 1.05  # calls per forward at or below which a call counts as having run alone
