@@ -107,3 +107,33 @@ def test_with_the_dense_weight_kept_calls_under_min_rows_run_the_kernel_and_pref
     layer(torch.randn(dense_rows.MIN_ROWS, 256))
     assert set(kernels._CHOICE) == {(kind, 128, 256, "kept", dense_rows.MIN_ROWS)}
     assert set(kernels._CHOICE.values()) <= {"kernel", "dense"}
+
+
+def test_in_a_batched_forward_each_dense_call_runs_on_its_own_rows_and_the_kernels_rows_run_together(monkeypatch):
+    # A dense matmul's bits may change with its rows (oneDNN's bf16 matmul on an AMX Xeon
+    # changed kernel between 32 and 56 rows of a 1536 x 8960 weight), so two prompts'
+    # chunks prefilled in one forward must each get the matmul of its own rows; the
+    # kernel's rows (decode steps, verifications: kernels that compute a row the same in
+    # a call of any rows) run as one call.
+    monkeypatch.setattr(kernels, "_CHOICE", {})
+    layer = int4_layer()
+    shape = ("int4", 128, 256, "prefill")
+    kernels._CHOICE[(*shape, kernels.bucket(20))] = "dense"
+    kernels._CHOICE[(*shape, kernels.bucket(7))] = "dense"
+    kernels._CHOICE[(*shape, kernels.bucket(5))] = "kernel"
+    seen = {"kernel": [], "dense": []}
+    for name, method in (("kernel", "_kernel"), ("dense", "_dense")):
+        real = getattr(layer, method)
+        monkeypatch.setattr(layer, method, lambda x, real=real, name=name: (seen[name].append(x.shape[0]), real(x))[1])
+    calls = [20, 1, 7, 5, 2]                # chunks of 20, 7 and 5 rows; a decode step; a 2-row verification
+    prefill = [True, False, True, True, False]
+    x = torch.randn(sum(calls), 256)
+    with dense_rows.by_call(calls, prefill):
+        got = layer(x)
+    assert sorted(seen["dense"]) == [7, 20] and seen["kernel"] == [1 + 5 + 2]
+    alone, start = [], 0
+    for rows, chunk in zip(calls, prefill):
+        with dense_rows.by_call([rows], [chunk]):
+            alone.append(layer(x[start:start + rows]))
+        start += rows
+    assert torch.equal(got, torch.cat(alone))

@@ -85,9 +85,13 @@ def run_rows(key: tuple, x: torch.Tensor, few: Callable[[torch.Tensor], torch.Te
     """A layer's output over x [rows, in] by `few` (its kernel) or `many` (dense), as
     `run` chooses; within `by_call`, each call's rows take the path that call would
     take alone: the kernel for a call that is not `timed`, else the choice of the
-    call's own row bucket. Rows are then gathered by path, one kernel call and one
-    dense matmul at most (each computes a row the same in any call of 2 rows or
-    more); a call whose bucket is not timed yet is timed on its own rows."""
+    call's own row bucket. The kernel's rows are gathered into one call (the
+    kernels the target's rows take compute a row the same in a call of any rows);
+    each dense call runs on its own rows, since a dense matmul's bits may change
+    with its rows (oneDNN's bf16 matmul on an AMX Xeon changed kernel between 32
+    and 56 rows, so eight 7-token prompts prefilled together wrote other keys
+    than each alone, and greedy output under load left the one-client output);
+    a call whose bucket is not timed yet is timed on its own rows."""
     rows = x.shape[0]
     calls, prefill = _CALLS[-1] if _CALLS and sum(_CALLS[-1][0]) == rows else ([rows], [False])
     if rows < MIN_ROWS and not any(prefill):  # every call keeps logits and is under it: the decode path, first
@@ -102,15 +106,15 @@ def run_rows(key: tuple, x: torch.Tensor, few: Callable[[torch.Tensor], torch.Te
         offsets.append(offsets[-1] + n)
     pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row indices, their output)
     for i, path in enumerate(paths):
+        xi, index = x[offsets[i]:offsets[i + 1]], torch.arange(offsets[i], offsets[i + 1], device=x.device)
         if path is None:  # the call's bucket not timed yet: timed on its rows alone
-            xi = x[offsets[i]:offsets[i + 1]]
-            pieces.append((torch.arange(offsets[i], offsets[i + 1], device=x.device),
-                           run(key, calls[i], lambda: few(xi), lambda: many(xi), kept=kept, prefill=True)))
-    for name, compute in (("kernel", few), ("dense", many)):
-        index = [torch.arange(offsets[i], offsets[i + 1]) for i, path in enumerate(paths) if path == name]
-        if index:
-            index = torch.cat(index).to(x.device)
-            pieces.append((index, compute(x.index_select(0, index))))
+            pieces.append((index, run(key, calls[i], lambda: few(xi), lambda: many(xi), kept=kept, prefill=True)))
+        elif path == "dense":
+            pieces.append((index, many(xi)))
+    index = [torch.arange(offsets[i], offsets[i + 1]) for i, path in enumerate(paths) if path == "kernel"]
+    if index:
+        index = torch.cat(index).to(x.device)
+        pieces.append((index, few(x.index_select(0, index))))
     out = pieces[0][1].new_empty((rows, pieces[0][1].shape[-1]),
                                  dtype=functools.reduce(torch.promote_types, (y.dtype for _, y in pieces)))
     for index, y in pieces:
