@@ -8,7 +8,10 @@ scripts/quant_check.py). Its per-row activation scales make a row's output the
 same whatever rows share the call, so one kernel could serve decode and
 verification alike; the question is whether it is faster and faithful enough.
 Modes: torch (the served kernel), w4a8 on every layer but the MLP down
-projections (whose inputs carry Qwen's activation outliers), w4a8 everywhere.
+projections (whose inputs carry Qwen's activation outliers), w4a8 everywhere;
+and w8a8-but-down: those layers' de-quantized Q4_K weights rounded again to
+int8 per output channel, through the per-row int8 x int8 backends
+(specdec.runtime.kernels, each checked on the layer as the services check it).
 
   python scripts/w4a8_target.py --prompts 4 --rows 1,2,4,5,8,16
 """
@@ -21,7 +24,9 @@ import statistics
 import sys
 
 
-from specdec.runtime import torch_thread
+import torch
+
+from specdec.runtime import kernels, torch_thread
 from specdec.runtime.models import load_model
 from specdec.runtime.quant.int4 import Int4Linear
 
@@ -29,7 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from kernel_bench import call_zentorch_w4a8, w4a8_state  # noqa: E402
 from quant_check import agreement, forward_ms, logits, teacher_forced  # noqa: E402
 
-MODES = ("torch", "w4a8-but-down", "w4a8")
+MODES = ("torch", "w4a8-but-down", "w4a8", "w8a8-but-down")
 
 
 def use(loaded, mode: str) -> None:
@@ -39,7 +44,19 @@ def use(loaded, mode: str) -> None:
             continue
         module.__dict__.pop("_kernel", None)
         down = module.in_features > module.out_features   # the MLP down projection (K = intermediate)
-        if mode == "torch" or (mode == "w4a8-but-down" and down):
+        if mode == "torch" or (mode.endswith("-but-down") and down):
+            continue
+        if mode == "w8a8-but-down":
+            if "_w8a8" not in module.__dict__:
+                weight = module.dense_weight().float()
+                scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+                codes = torch.round(weight / scales[:, None]).to(torch.int8)
+                torch_int4 = lambda x, m=module: Int4Linear._kernel(m, x.to(m.dtype))  # noqa: E731
+                accel = kernels.prepared("int8-channel", codes, scales, torch_int4, per_row=True)
+                module.__dict__["_w8a8"] = accel[0] if accel else None
+            if module.__dict__["_w8a8"] is not None:
+                backend, state = module.__dict__["_w8a8"]
+                module.__dict__["_kernel"] = lambda x, b=backend, s=state: b.run(s, x).to(x.dtype)
             continue
         if "_w4a8" not in module.__dict__:
             scale, zero = (t.t().float() for t in module.scales_and_zeros.unbind(-1))   # [N, K/32]
