@@ -253,7 +253,6 @@ def test_keys_kept_between_stores_follow_a_rollback_and_new_tokens(tiny_target):
                           cold_logits(tiny_target, seq.tokens[:blocks * B + 1]), atol=1e-4)
 
 
-
 # Run in a process of its own, so no other test's threads come or go meanwhile.
 _COPY_ON_A_CALLS_THREAD = """
 import os, threading, torch

@@ -101,7 +101,6 @@ class CostModel:
     # published ms per token) and is fitted to measured prefills: a StartSession's
     # fixed cost (the RPC, the session, the first token) is most of a short prompt's.
     draft_prefill: EwLinearFit | None = None
-    draft_prefills_seen: int = 0
     # Plan on the services' published curves alone, never on measured rounds: the
     # choice of γ is then the same on every machine (tests, policy comparisons).
     frozen: bool = False
@@ -134,14 +133,14 @@ class CostModel:
             self.draft_curve = RowCurve(draft_ms)
             if self.draft.sw == 0:  # no measured draft round yet: the line starts from the curve
                 self.draft = EwLinearFit(default=(1.0, float(draft_ms[0]) * 1.1), a_over_b=0.05)
-        if draft_prefill_ms_per_token and not self.draft_prefills_seen:
+        if draft_prefill_ms_per_token and (self.draft_prefill is None or self.draft_prefill.sw == 0):
+            # no measured prefill yet: the line starts from the newer figures
             curve = draft_ms or (self.draft_curve.measured if self.draft_curve is not None else ())
             self.draft_prefill = prefill_line(curve, draft_prefill_ms_per_token)
 
     def observe_draft_prefill(self, tokens: int, ms: float) -> None:
         if tokens <= 0 or self.frozen or self.draft_prefill is None:
             return
-        self.draft_prefills_seen += 1
         self.draft_prefill.observe(tokens, ms)
 
     def draft_prefill_ms(self, tokens: int) -> float:

@@ -105,15 +105,18 @@ def run_rows(key: tuple, x: torch.Tensor, few: Callable[[torch.Tensor], torch.Te
     for n in calls:
         offsets.append(offsets[-1] + n)
     pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row indices, their output)
+    kernel_rows: list[torch.Tensor] = []
     for i, path in enumerate(paths):
-        xi, index = x[offsets[i]:offsets[i + 1]], torch.arange(offsets[i], offsets[i + 1], device=x.device)
-        if path is None:  # the call's bucket not timed yet: timed on its rows alone
-            pieces.append((index, run(key, calls[i], lambda: few(xi), lambda: many(xi), kept=kept, prefill=True)))
-        elif path == "dense":
-            pieces.append((index, many(xi)))
-    index = [torch.arange(offsets[i], offsets[i + 1]) for i, path in enumerate(paths) if path == "kernel"]
-    if index:
-        index = torch.cat(index).to(x.device)
+        index = torch.arange(offsets[i], offsets[i + 1], device=x.device)
+        if path == "kernel":
+            kernel_rows.append(index)
+            continue
+        xi = x[offsets[i]:offsets[i + 1]]
+        # "dense": on its own rows; None: the call's bucket not timed yet, timed on its rows alone.
+        pieces.append((index, many(xi) if path == "dense" else
+                       run(key, calls[i], lambda: few(xi), lambda: many(xi), kept=kept, prefill=True)))
+    if kernel_rows:
+        index = torch.cat(kernel_rows)
         pieces.append((index, few(x.index_select(0, index))))
     out = pieces[0][1].new_empty((rows, pieces[0][1].shape[-1]),
                                  dtype=functools.reduce(torch.promote_types, (y.dtype for _, y in pieces)))

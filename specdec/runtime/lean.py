@@ -74,8 +74,9 @@ class StaticKVCache:
     def block(self, start: int, end: int) -> torch.Tensor:
         """A copy of positions start..end: [layers, 2, kv_heads, end - start, head_dim]."""
         assert 0 <= start < end <= self.length, (start, end, self.length)
-        out = torch.empty_like(self.buffer[:, :, :, start:end], memory_format=torch.contiguous_format)
-        _copy_outside_openmp(out, self.buffer[:, :, :, start:end])
+        positions = self.buffer[:, :, :, start:end]
+        out = torch.empty_like(positions, memory_format=torch.contiguous_format)
+        _copy_outside_openmp(out, positions)
         return out
 
     def load_blocks(self, blocks: list[torch.Tensor], block_tokens: int) -> None:
