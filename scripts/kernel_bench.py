@@ -15,6 +15,8 @@ Backends:
   fbgemm-int8      fbgemm's dynamic int8 GEMM, int8 activations per call (the INT8 drafter's)
   torch-int8-wo    torch's int8 weight-only kernel (`_weight_int8pack_mm`), bf16 activations
   bf16             a dense bf16 matmul (oneDNN)
+  fbgemm-int8-row  fbgemm's dynamic int8 GEMM made per row (specdec.runtime.kernels: each row mapped onto [-1, 1],
+                   the call's range pinned), int8 activations per row (what the int4 target's gate/up and head may run)
   zentorch-int8    zentorch's dynamic int8 x int8 linear (optional: `pip install zentorch`)
   zentorch-w4a8    zentorch's dynamic int8 x int4 linear over the same Q4_K codes: signed codes (q - 8) with
                    the group scales, int8 activations per row, and the zeros added back as the group sums of
@@ -34,6 +36,8 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+
+from specdec.runtime import kernels
 
 SHAPES = ["1536x8960", "8960x1536", "151936x896", "151936x1536"]   # out x in
 ROWS = [1, 2, 4, 5, 8, 16, 64, 256]
@@ -187,9 +191,23 @@ def call_ort(state, x):
     return state.run(None, {"x": x.numpy()})[0]
 
 
+# CPU features a backend's kernels need (/proc/cpuinfo names): zentorch's int8 GEMMs end
+# the process with SIGILL on a CPU without AVX-512 VNNI, so they are skipped there.
+NEEDS = {"fbgemm-int8-row": ("avx2",), "zentorch-int8": ("avx512_vnni",), "zentorch-w4a8": ("avx512_vnni",)}
+
+def build_fbgemm_row(w):
+    scales = (w.abs().amax(1).clamp(min=1e-8) / 127).float()
+    return kernels._fbgemm_row_prepare(torch.round(w / scales[:, None]).to(torch.int8), scales)
+
+
+def call_fbgemm_row(state, x):
+    return kernels._fbgemm_row_run(state, x)
+
+
 BACKENDS = {
     "torch-int4": (build_int4, call_int4),
     "fbgemm-int8": (build_fbgemm, call_fbgemm),
+    "fbgemm-int8-row": (build_fbgemm_row, call_fbgemm_row),
     "torch-int8-wo": (build_int8_wo, call_int8_wo),
     "bf16": (build_bf16, call_bf16),
     "zentorch-int8": (build_zentorch, call_zentorch),
@@ -240,6 +258,12 @@ def main(argv=None) -> int:
         for name in args.backends.split(","):
             build, call = BACKENDS[name]
             x = torch.randn(4, k)
+            missing = [flag for flag in NEEDS.get(name, ()) if flag not in kernels.cpu_flags()]
+            if missing:
+                if name not in skipped:
+                    skipped[name] = f"this CPU lacks {', '.join(missing)}"
+                    print(f"skipping {name}: {skipped[name]}", file=sys.stderr)
+                continue
             try:
                 first = build(weight)
                 y = torch.as_tensor(call(first, x)).float()

@@ -51,7 +51,7 @@ def use(loaded, mode: str) -> None:
                 weight = module.dense_weight().float()
                 scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
                 codes = torch.round(weight / scales[:, None]).to(torch.int8)
-                torch_int4 = lambda x, m=module: Int4Linear._kernel(m, x.to(m.dtype))  # noqa: E731
+                torch_int4 = lambda x, m=module: m._int4(x.to(m.dtype))  # noqa: E731
                 accel = kernels.prepared("int8-channel", codes, scales, torch_int4, per_row=True)
                 module.__dict__["_w8a8"] = accel[0] if accel else None
             if module.__dict__["_w8a8"] is not None:
@@ -75,6 +75,8 @@ def main() -> int:
     parser.add_argument("--out", default="w4a8_target.json")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
+    if "avx512_vnni" not in kernels.cpu_flags():   # zentorch's int8 GEMMs die of SIGILL without it
+        parser.error("this CPU lacks AVX-512 VNNI, which zentorch's int8 kernels need")
     torch_thread.set_threads(args.threads)
     reference = load_model(args.model, dtype="fp32")
     texts = teacher_forced(reference, args.prompts, args.new)

@@ -101,6 +101,7 @@ def test_q4k_linears_go_int4_others_int8_each_checked_first(tmp_path):
     report = quantize_from_gguf(model, str(path))
     assert report == {"int4": 1, "int8": 2, "mismatched": 1}
     assert isinstance(layer.mlp.up_proj, Int4Linear) and layer.mlp.up_proj.bias is not None
+    assert layer.mlp.up_proj.int8_activations   # its input is a norm's output: int8 activations offered
     assert isinstance(layer.mlp.down_proj, Int8WeightOnlyLinear)
     # Only the LM head may take int8 activations: a down projection's input carries outliers.
     assert isinstance(model.lm_head, Int8WeightOnlyLinear) and model.lm_head.int8_activations
@@ -186,3 +187,28 @@ def test_a_quantization_is_one_module_and_a_registration():
     dense = [torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)]
     assert fuse(dense) is None  # no registered kind fuses bf16 Linear layers: the lean forward runs them apart
     assert Int4Linear in FUSABLE  # int4 layers fuse q/k/v and gate/up
+
+
+def test_gate_and_up_offer_int8_activations_checked_per_layer_and_a_verification_is_its_decode_steps(monkeypatch):
+    from specdec.runtime import kernels
+
+    monkeypatch.setattr(kernels, "_CHOICE", {})
+    parts = [Int4Linear.from_q4k(random_q4k(128, 256, seed=s), 128, 256, int8_activations=True) for s in (7, 8)]
+    plain = Int4Linear.from_q4k(random_q4k(128, 256, seed=9), 128, 256)
+    fused = Int4Linear.concat(parts)
+    assert fused.int8_activations and not plain.int8_activations
+    assert plain._accelerated() == []
+    x = torch.randn(6, 256).bfloat16()
+    assert torch.equal(plain(x), plain._int4(x))   # not offered: torch's int4 kernel alone
+    offered = [b.name for b, _ in fused._accelerated()]
+    if "avx2" in kernels.cpu_flags():
+        assert "fbgemm-int8-row" in offered      # each checked against the int4 kernel on this layer
+    rows = fused(x)
+    # Whichever kernel the first call chose serves every call: 6 rows at once give what
+    # 6 one-row calls give, bit for bit, so a verification picks the decode step's tokens.
+    assert torch.equal(rows, torch.cat([fused(x[r:r + 1]) for r in range(6)]))
+    exact = x.float() @ fused.dense_weight(torch.float32).t()
+    assert ((rows.float() - exact).norm() / exact.norm()) < 0.03
+    # The int8 copy is this machine's: the model cache never holds it.
+    state = fused.__getstate__()
+    assert "_accel" in fused.__dict__ and "_accel" not in state

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+import platform
 import time
 
 import pytest
@@ -183,3 +184,79 @@ def test_a_per_layer_choice_serves_every_row_count_so_verification_matches_decod
     assert registry._CHOICE[("int8-wo", 64, 32, 0)] == "rowwise"
     assert any("int8-wo 64 32 every call: rowwise" == line for line in registry.choices())
     assert torch.equal(head(x), one_at_a_time)   # 5 rows, where it is slow: still the same kernel, the same rows
+
+
+def test_a_backend_whose_cpu_features_are_missing_is_skipped_with_a_line_and_never_imported(registry, monkeypatch,
+                                                                                             caplog):
+    # A native library may end the process on a CPU without its instructions (zentorch's
+    # int8 GEMM dies of SIGILL on an AVX2-only CPU): such a backend is not even imported.
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    registry.register(kernels.Backend("needs-vnni", "int8-channel", "specdec_import_would_fail_loudly", dequantized,
+                                      lambda w, x: x, cpu_flags=("avx2", "avx512_vnni")))
+    registry.register(exact("plain"))
+    imported = []
+    real_import = kernels.importlib.import_module
+    monkeypatch.setattr(kernels.importlib, "import_module", lambda name: imported.append(name) or real_import(name))
+    with caplog.at_level(logging.INFO, logger="specdec.runtime.kernels"):
+        found = registry.usable("int8-channel")
+    assert [b.name for b in found] == ["plain"]
+    assert imported == ["torch"]
+    assert "kernel backend needs-vnni skipped: this CPU lacks avx512_vnni" in caplog.text
+
+
+def test_the_cpu_flags_are_read_from_the_cpu_and_zentorch_asks_for_vnni():
+    flags = kernels.cpu_flags()
+    assert isinstance(flags, frozenset)
+    if platform.machine() == "x86_64":
+        assert "fpu" in flags   # every x86 CPU lists it
+    zentorch = [b for b in kernels.BACKENDS if b.module == "zentorch"]
+    assert zentorch and all("avx512_vnni" in b.cpu_flags for b in zentorch)
+
+
+fbgemm_row = next(b for b in kernels.BACKENDS if b.name == "fbgemm-int8-row")
+needs_avx2 = pytest.mark.skipif("avx2" not in kernels.cpu_flags(), reason="fbgemm's int8 GEMM runs on AVX2 CPUs")
+
+
+@needs_avx2
+def test_fbgemm_made_per_row_computes_a_row_the_same_whatever_shares_its_call():
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 200, generator=generator)
+    scales = weight.abs().amax(dim=1) / 127
+    codes = torch.round(weight / scales[:, None]).to(torch.int8)
+    state = fbgemm_row.prepare(codes, scales)
+    # Rows of very different ranges, one far off zero: a call-wide activation scale would
+    # change every row's rounding with its neighbours.
+    x = torch.randn(9, 200, generator=generator) * torch.tensor([1, 50, 0.01, 3, 1, 7, 0.5, 2, 1])[:, None]
+    x[3] += 40
+    x[5, 7] = 300   # an outlier channel
+    whole = fbgemm_row.run(state, x)
+    assert whole.shape == (9, 96) and whole.dtype == torch.float32
+    assert torch.equal(whole, torch.cat([fbgemm_row.run(state, x[r:r + 1]) for r in range(9)]))
+    assert torch.equal(whole, torch.cat([fbgemm_row.run(state, x[:4]), fbgemm_row.run(state, x[4:])]))
+    # ... and close to the int8 weight's exact product, row by row: each row is kept to
+    # about 14 bits (a coarse and a fine 7-bit pass), so one int8 rounding of the activations
+    # (about 1e-2 here) would fail this; the row far off zero and the outlier's row too.
+    exact = x @ (codes.float() * scales[:, None]).t()
+    error = (whole - exact).norm(dim=1) / exact.norm(dim=1)
+    assert (error < 1e-3).all(), error
+    assert plain_fbgemm_differs_by_call(codes, scales, x)
+
+
+def plain_fbgemm_differs_by_call(codes, scales, x) -> bool:
+    """fbgemm's own dynamic GEMM scales by the call: the same row alone comes out otherwise."""
+    packed = kernels.fbgemm_pack(codes, scales, None)
+    alone = torch.ops.quantized.linear_dynamic(x[:1], packed, kernels.reduce_range())
+    together = torch.ops.quantized.linear_dynamic(x, packed, kernels.reduce_range())[:1]
+    return not torch.equal(alone, together)
+
+
+@needs_avx2
+def test_an_int8_weight_only_head_offered_int8_activations_takes_fbgemm_per_row_where_it_passes(registry):
+    registry.register(fbgemm_row)
+    generator = torch.Generator().manual_seed(4)
+    head = int8.Int8WeightOnlyLinear(torch.randn(256, 64, generator=generator), int8_activations=True)
+    assert [b.name for b, _ in head._accelerated()] == ["fbgemm-int8-row"]
+    x = torch.randn(5, 64, generator=generator).bfloat16()
+    out = head(x)
+    assert torch.equal(out, torch.cat([head(x[r:r + 1]) for r in range(5)]))  # one kernel for every row count
+    assert any("every call" in line for line in registry.choices())

@@ -22,12 +22,18 @@ from torch import nn
 
 import logging
 
-from specdec.runtime import dense_rows
+from specdec.runtime import dense_rows, kernels
 from specdec.runtime.quant.base import Quantization, QuantizeContext, register
 
 GROUP = 32
 INNER_K_TILES = 2  # the packing layout the CPU kernel expects with this group size
 PACK_BLOCK_ROWS = 64  # row granularity of reads and fused parts: a whole number of any packing block
+# The layers offered int8 activations (per row) besides torch's int4 kernel: the MLP's gate and
+# up projections, whose input is a norm's output. On the 1.5B they kept the target's top-1
+# agreement with fp32; the attention projections' weights, re-rounded to int8, are off by
+# 5% of their output (the kernel check's 3% leaves them out anyway), and the down
+# projection's input carries the model's outlier channels (docs/kernels.md).
+INT8_ACTIVATION_LAYERS = ("mlp.gate_proj", "mlp.up_proj")
 
 
 def q4k_codes(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -98,11 +104,21 @@ def pack_layout() -> tuple[int, bool]:
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T (+ b) with W in int4 group-32 (CPU: torch's int4 weight-only kernel)."""
+    """y = x W^T (+ b) with W in int4 group-32 (CPU: torch's int4 weight-only kernel).
+
+    int8_activations: also offer the kernels that compute the weight re-rounded to int8
+    per output channel against int8 activations scaled per row (specdec.runtime.kernels,
+    `per_row`), each checked on the layer against the int4 kernel; one kernel then serves
+    every call under dense_rows.MIN_ROWS, as timed on the first (a verification's rows must
+    be the decode step's). torch's int4 kernel de-quantizes its weight once per 4 rows, so
+    from 5 rows it costs twice what it does for 4; an int8 x int8 GEMM stays nearly flat.
+    The int8 copy is made on the first call, outside the model cache."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16):
+                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16,
+                 int8_activations: bool = False):
         super().__init__()
+        self.int8_activations = int8_activations
         out_features, in_features = codes.shape                                     # codes [N, K] 0..15
         assert scale.shape == minimum.shape == (out_features, in_features // GROUP), (scale.shape, codes.shape)
         self.in_features, self.out_features = in_features, out_features
@@ -116,9 +132,11 @@ class Int4Linear(nn.Module):
         self.dtype = dtype
 
     @classmethod
-    def from_q4k(cls, raw: np.ndarray, rows: int, cols: int, bias: torch.Tensor | None = None) -> "Int4Linear":
+    def from_q4k(cls, raw: np.ndarray, rows: int, cols: int, bias: torch.Tensor | None = None,
+                 int8_activations: bool = False) -> "Int4Linear":
         codes, scale, minimum = q4k_codes(raw, rows, cols)
-        return cls(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(minimum), bias)
+        return cls(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(minimum), bias,
+                   int8_activations=int8_activations)
 
     @staticmethod
     def concatenable(parts: list) -> bool:
@@ -139,6 +157,7 @@ class Int4Linear(nn.Module):
         nn.Module.__init__(fused)
         fused.in_features, fused.out_features = parts[0].in_features, sum(p.out_features for p in parts)
         fused.dtype = parts[0].dtype
+        fused.int8_activations = all(getattr(p, "int8_activations", False) for p in parts)
         fused.register_buffer("packed", torch.cat([p.packed for p in parts]))                # [N, K/2]
         fused.register_buffer("scales_and_zeros", torch.cat([p.scales_and_zeros for p in parts], dim=1))
         fused.register_buffer("bias", None if parts[0].bias is None else torch.cat([p.bias for p in parts]))
@@ -167,8 +186,8 @@ class Int4Linear(nn.Module):
         assert start % PACK_BLOCK_ROWS == 0 and (end == n or end % PACK_BLOCK_ROWS == 0), (start, end)
         return unpack_codes(self.packed.reshape(-1), n, k, start, end, *pack_layout())
 
-    def dense_weight(self) -> torch.Tensor:
-        """[N, K] in the kernel's dtype: w = (q - 8) * scale + zero = q * scale - min,
+    def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[N, K] in the kernel's dtype (or `dtype`): w = (q - 8) * scale + zero = q * scale - min,
         per group of 32, computed in fp32 as the kernel does (q * scale and min nearly
         cancel where the weight is small, which bf16 steps would lose)."""
         n, k = self.out_features, self.in_features
@@ -179,11 +198,39 @@ class Int4Linear(nn.Module):
         def chunk(start: int, end: int) -> torch.Tensor:
             codes = self.codes(start, end).view(end - start, k // GROUP, GROUP).float()
             return codes.mul_(scale[start:end]).sub_(minimum[start:end]).view(end - start, k)
-        return dense_rows.unpack(n, k, self.dtype, chunk)
+        return dense_rows.unpack(n, k, dtype or self.dtype, chunk)
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+    def _int4(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, GROUP, self.scales_and_zeros.contiguous())  # a fused layer's part holds a strided view
+
+    def _accelerated(self) -> list[tuple[kernels.Backend, object]]:
+        """With int8_activations, the per-row int8 kernels for this weight re-rounded to
+        int8 per output channel, each checked against the int4 kernel; none where none runs."""
+        accel = self.__dict__.get("_accel")
+        if accel is None:
+            accel = []
+            if getattr(self, "int8_activations", False) and kernels.usable("int8-channel", per_row=True):
+                weight = self.dense_weight(torch.float32)
+                scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+                codes = torch.round(weight.div_(scales[:, None])).to(torch.int8)
+                accel = kernels.prepared("int8-channel", codes, scales, lambda x: self._int4(x.to(self.dtype)),
+                                         per_row=True)
+            self._accel = accel
+        return accel
+
+    def __getstate__(self):
+        # Saved in the model cache: the accelerated kernels' weights are this machine's, made again on load.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_accel", "_kept_dense")}
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        accel = self._accelerated()
+        if not accel:
+            return self._int4(x)
+        return kernels.pick(("int4", self.out_features, self.in_features), x.shape[0],
+                            {"torch-int4": lambda: self._int4(x),
+                             **{b.name: (lambda b=b, s=s: b.run(s, x).to(x.dtype)) for b, s in accel}},
+                            per_layer=True)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, dense_rows.weight(self, self.dense_weight))
@@ -253,7 +300,8 @@ def quantize_from_gguf(model: nn.Module, gguf_path: str) -> dict[str, int]:
         parent = modules[parent_name] if parent_name else model
         bias = module.bias.detach() if module.bias is not None else None
         if tensor.tensor_type == GGMLQuantizationType.Q4_K:
-            setattr(parent, child, Int4Linear.from_q4k(tensor.data, rows, cols, bias))
+            setattr(parent, child, Int4Linear.from_q4k(tensor.data, rows, cols, bias, int8_activations=any(
+                name.endswith(f".{layer}") for layer in INT8_ACTIVATION_LAYERS)))
             report["int4"] += 1
         else:
             # The LM head's input is the final norm's output, with no outlier channels to

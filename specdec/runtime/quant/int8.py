@@ -24,7 +24,6 @@ On CUDA the maintained path is torchao's int8 dynamic quantization.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
@@ -36,14 +35,7 @@ from specdec.weights import vocab_rank
 from specdec.rpc.errors import FailedPrecondition
 from specdec.runtime.quant.base import Quantization, register
 
-@functools.cache
-def _reduce_range() -> bool:
-    """fbgemm without VNNI accumulates pairs in int16 and can saturate; VNNI cannot."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "vnni" not in f.read()
-    except OSError:
-        return True
+_reduce_range = kernels.reduce_range
 
 
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None):
@@ -60,14 +52,7 @@ def _pack(weight: torch.Tensor, bias: torch.Tensor | None):
     return torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.detach().float())
 
 
-def _pack_codes(codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-    """fbgemm's packed weight from int8 codes [out, in] and their per-row scales [out], as they are."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        qweight = torch._make_per_channel_quantized_tensor(
-            codes.to(torch.int8).contiguous(), scales.double(), torch.zeros(codes.shape[0], dtype=torch.long), 0)
-    return torch.ops.quantized.linear_prepack(qweight, bias)
-
+_pack_codes = kernels.fbgemm_pack
 
 def _dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """codes [out, in] int8 times their per-row scales [out] -> [out, in] bf16, in cache-sized pieces."""
