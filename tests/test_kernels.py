@@ -260,3 +260,21 @@ def test_an_int8_weight_only_head_offered_int8_activations_takes_fbgemm_per_row_
     out = head(x)
     assert torch.equal(out, torch.cat([head(x[r:r + 1]) for r in range(5)]))  # one kernel for every row count
     assert any("every call" in line for line in registry.choices())
+
+
+def test_a_layer_whose_input_carries_outliers_takes_only_backends_that_keep_enough_bits(registry):
+    # An 8-bit per-row backend (as zentorch's) loses an outlier channel's neighbours: a down
+    # projection asks for 14 bits, and gets only the backends that keep them.
+    coarse = kernels.Backend("coarse", "int8-channel", "torch", dequantized, lambda w, x: x @ w.t(), per_row=True)
+    fine = kernels.Backend("fine", "int8-channel", "torch", dequantized, lambda w, x: x @ w.t(), per_row=True,
+                           activation_bits=14)
+    registry.register(coarse)
+    registry.register(fine)
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(64, 32, generator=generator)
+    down = int8.Int8WeightOnlyLinear(weight, int8_activations=True, activation_bits=14)
+    head = int8.Int8WeightOnlyLinear(weight, int8_activations=True)
+    assert [b.name for b, _ in down._accelerated()] == ["fine"]
+    assert [b.name for b, _ in head._accelerated()] == ["coarse", "fine"]
+    assert fbgemm_row.activation_bits == 14
+    assert all(b.activation_bits == 8 for b in kernels.BACKENDS if b.module == "zentorch")

@@ -41,6 +41,9 @@ class Backend:
     # whatever rows share the call: such a kernel can serve a layer whose decode step and
     # verification must agree exactly (`pick(..., per_layer=True)`).
     per_row: bool = False
+    # How many bits of each activation row its arithmetic keeps: a layer whose input carries
+    # outlier channels (the MLP down projections') asks for more than int8's 8.
+    activation_bits: int = 8
     # CPU features its kernels need (as /proc/cpuinfo names them). A native library may
     # end the process on a CPU without them (zentorch's int8 GEMM dies of SIGILL on an
     # AVX2-only EPYC), so a backend is not even imported where one is missing.
@@ -72,13 +75,14 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def usable(weight_format: str, per_row: bool = False) -> list[Backend]:
+def usable(weight_format: str, per_row: bool = False, activation_bits: int = 0) -> list[Backend]:
     """The registered backends for this weight format whose CPU features this CPU has
     and whose package imports here (only those whose rows are computed independently,
-    with `per_row`)."""
+    with `per_row`; only those keeping at least `activation_bits` of an activation row)."""
     out = []
     for backend in BACKENDS:
-        if backend.weight_format != weight_format or (per_row and not backend.per_row):
+        if backend.weight_format != weight_format or (per_row and not backend.per_row) \
+                or backend.activation_bits < activation_bits:
             continue
         with _lock:
             if backend.name not in _usable:
@@ -130,11 +134,13 @@ def checked(backend: Backend, codes: torch.Tensor, scales: torch.Tensor,
 
 
 def prepared(weight_format: str, codes: torch.Tensor, scales: torch.Tensor,
-             reference: Callable[[torch.Tensor], torch.Tensor], per_row: bool = False) -> list[tuple[Backend, object]]:
+             reference: Callable[[torch.Tensor], torch.Tensor], per_row: bool = False,
+             activation_bits: int = 0) -> list[tuple[Backend, object]]:
     """[(backend, its weight)] for every usable backend of this format (per-row ones
-    only, with `per_row`) that passes its check on this layer against `reference`."""
+    only, with `per_row`; keeping `activation_bits`) that passes its check on this
+    layer against `reference`."""
     out = []
-    for backend in usable(weight_format, per_row):
+    for backend in usable(weight_format, per_row, activation_bits):
         state = checked(backend, codes, scales, reference)
         if state is not None:
             out.append((backend, state))
@@ -267,7 +273,7 @@ def _fbgemm_row_run(state, x: torch.Tensor) -> torch.Tensor:
 # where no accelerated package runs. On an AVX2 EPYC it computes a 17,920 x 1,536 weight
 # in 1.1 ms for one row and 1.9 for five, where torch's int4 kernel takes 1.9 and 5.4.
 register(Backend("fbgemm-int8-row", "int8-channel", "torch", _fbgemm_row_prepare, _fbgemm_row_run, per_row=True,
-                 cpu_flags=("avx2",)))
+                 activation_bits=14, cpu_flags=("avx2",)))
 
 def _zentorch_prepare(codes: torch.Tensor, scales: torch.Tensor):
     packed = torch.ops.zentorch.zentorch_weight_prepack_for_dynamic_qlinear(codes.contiguous())

