@@ -278,3 +278,20 @@ def test_a_layer_whose_input_carries_outliers_takes_only_backends_that_keep_enou
     assert [b.name for b, _ in head._accelerated()] == ["coarse", "fine"]
     assert fbgemm_row.activation_bits == 14
     assert all(b.activation_bits == 8 for b in kernels.BACKENDS if b.module == "zentorch")
+
+
+def test_a_kernel_many_times_slower_than_the_fastest_is_timed_once_not_every_try(registry):
+    # Timing is paid by the request that meets a new row bucket: a hopeless path (bf16
+    # emulated on an AVX2 CPU, 4x the int8 kernel) is called once, a close one every try.
+    calls = {"own": 0, "close": 0, "hopeless": 0}
+
+    def kernel(name, delay_s):
+        def call():
+            calls[name] += 1
+            time.sleep(delay_s)
+            return torch.zeros(1)
+        return call
+    registry.pick(("k",), 5, {"own": kernel("own", 0.02), "close": kernel("close", 0.02),
+                              "hopeless": kernel("hopeless", 0.02 * (kernels.HOPELESS + 5))})
+    assert calls == {"own": kernels.TRIES, "close": kernels.TRIES, "hopeless": 1}
+    assert registry._CHOICE[("k", 5)] in ("own", "close")

@@ -27,6 +27,12 @@ import torch
 
 log = logging.getLogger(__name__)
 TRIES = 3               # timed calls of each kernel before a bucket's choice; the fastest call counts
+# A kernel that took this many times the fastest one's time is not timed again for the bucket.
+# A first call's one-off costs (oneDNN building its kernel) rarely reach it, and timing a
+# path that slow three times is what a request pays: the first 228-token prompt on an AVX2
+# CPU, whose emulated bf16 matmuls are 4x its int8 kernels there, waited 10.3 s for its
+# first token against 5.9 for the next.
+HOPELESS = 3.0
 CHECK_TOLERANCE = 0.03  # a backend's output within this relative error of torch's on the layer, or it is skipped
 
 
@@ -188,7 +194,7 @@ def pick(key: tuple, rows: int, kernels: dict[str, Callable[[], torch.Tensor]],
     failed: set[str] = set()
     for _ in range(TRIES):
         for kernel, call in kernels.items():
-            if kernel in failed:
+            if kernel in failed or (kernel in best and best[kernel] > HOPELESS * min(best.values())):
                 continue
             started = time.perf_counter()
             try:
@@ -206,6 +212,18 @@ def pick(key: tuple, rows: int, kernels: dict[str, Callable[[], torch.Tensor]],
     _CHOICE[choice_key] = name
     log.debug("%s, %d rows: %s (%s)", key, rows, name, ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in best.items()))
     return outputs[name]
+
+
+def pick_per_layer(key: tuple, x: torch.Tensor, own_name: str, own: Callable[[torch.Tensor], torch.Tensor],
+                   accel: list[tuple[Backend, object]]) -> torch.Tensor:
+    """own(x), or one of the per-row kernels `accel` ([(backend, its weight)]) for a layer
+    whose rows must come out the same in any call: one choice for every call, made on
+    the first (`pick(..., per_layer=True)`); the output in x's dtype."""
+    if not accel:
+        return own(x)
+    return pick(key, x.shape[0], {own_name: lambda: own(x),
+                                  **{b.name: (lambda b=b, s=s: b.run(s, x).to(x.dtype)) for b, s in accel}},
+                per_layer=True)
 
 
 def choices() -> list[str]:

@@ -224,13 +224,8 @@ class Int4Linear(nn.Module):
         return {k: v for k, v in self.__dict__.items() if k not in ("_accel", "_kept_dense")}
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        accel = self._accelerated()
-        if not accel:
-            return self._int4(x)
-        return kernels.pick(("int4", self.out_features, self.in_features), x.shape[0],
-                            {"torch-int4": lambda: self._int4(x),
-                             **{b.name: (lambda b=b, s=s: b.run(s, x).to(x.dtype)) for b, s in accel}},
-                            per_layer=True)
+        return kernels.pick_per_layer(("int4", self.out_features, self.in_features), x, "torch-int4", self._int4,
+                                      self._accelerated())
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, dense_rows.weight(self, self.dense_weight))

@@ -236,13 +236,8 @@ class Int8WeightOnlyLinear(nn.Module):
         return F.linear(flat, dense_rows.weight(self, self.dense_weight))
 
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
-        accel = self._accelerated()
-        if not accel:
-            return self._weight_only(flat)
-        return kernels.pick(("int8-wo", self.out_features, self.in_features), flat.shape[0],
-                            {"torch-int8-wo": lambda: self._weight_only(flat),
-                             **{b.name: (lambda b=b, s=s: b.run(s, flat).to(flat.dtype)) for b, s in accel}},
-                            per_layer=True)
+        return kernels.pick_per_layer(("int8-wo", self.out_features, self.in_features), flat, "torch-int8-wo",
+                                      self._weight_only, self._accelerated())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features], in x's dtype
