@@ -191,9 +191,11 @@ def call_ort(state, x):
     return state.run(None, {"x": x.numpy()})[0]
 
 
-# CPU features a backend's kernels need (/proc/cpuinfo names): zentorch's int8 GEMMs end
-# the process with SIGILL on a CPU without AVX-512 VNNI, so they are skipped there.
-NEEDS = {"fbgemm-int8-row": ("avx2",), "zentorch-int8": ("avx512_vnni",), "zentorch-w4a8": ("avx512_vnni",)}
+# CPU features a backend's kernels need (/proc/cpuinfo names), as the services' registry
+# declares them: zentorch's int8 GEMMs end the process with SIGILL on a CPU without AVX-512
+# VNNI, so they are skipped there (its W4A8 path shares the int8 one's needs).
+NEEDS = {b.name: b.cpu_flags for b in kernels.BACKENDS}
+NEEDS["zentorch-w4a8"] = NEEDS["zentorch-int8"]
 
 def build_fbgemm_row(w):
     scales = (w.abs().amax(1).clamp(min=1e-8) / 127).float()

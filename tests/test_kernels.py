@@ -51,7 +51,7 @@ def test_a_backend_that_does_not_install_is_skipped_with_a_line_and_the_layer_ru
         y = linear(x)
     assert "kernel backend missing skipped" in caplog.text and "specdec_no_such_package" in caplog.text
     assert linear._accelerated() == [] and registry._CHOICE == {}
-    expected = torch.ops.quantized.linear_dynamic(x, linear._packed, int8._reduce_range())
+    expected = torch.ops.quantized.linear_dynamic(x, linear._packed, kernels.reduce_range())
     assert torch.equal(y, expected)
 
 
@@ -87,7 +87,7 @@ def test_the_faster_kernel_is_chosen_per_row_bucket_and_kept(registry):
     again = linear(x)
     assert time.perf_counter() - started < 0.02 and torch.equal(again, y)
     # Every kernel gives the layer's result within int8 roundings (bias included).
-    reference = torch.ops.quantized.linear_dynamic(x, linear._packed, int8._reduce_range())
+    reference = torch.ops.quantized.linear_dynamic(x, linear._packed, kernels.reduce_range())
     assert float((y - reference).norm() / reference.norm()) < kernels.CHECK_TOLERANCE
 
 
@@ -121,14 +121,14 @@ def test_a_backend_that_raises_in_serving_is_left_out_and_the_call_goes_on(regis
     x = torch.randn(3, 32, generator=generator)
     with caplog.at_level(logging.WARNING, logger="specdec.runtime.kernels"):
         y = linear(x)
-    reference = torch.ops.quantized.linear_dynamic(x, linear._packed, int8._reduce_range())
+    reference = torch.ops.quantized.linear_dynamic(x, linear._packed, kernels.reduce_range())
     assert float((y - reference).norm() / reference.norm()) < kernels.CHECK_TOLERANCE
     assert registry._CHOICE[("int8-dynamic", 64, 32, 3)] in ("quick", "fbgemm-int8")
     # Chosen, then failing: the layer's own kernel takes over for good.
     key = ("int8-dynamic", 64, 32, 2)
     registry._CHOICE[key] = "flaky"
     two = torch.randn(2, 32, generator=generator)
-    assert torch.equal(linear(two), torch.ops.quantized.linear_dynamic(two, linear._packed, int8._reduce_range()))
+    assert torch.equal(linear(two), torch.ops.quantized.linear_dynamic(two, linear._packed, kernels.reduce_range()))
     assert registry._CHOICE[key] == "fbgemm-int8" and "flaky failed" in caplog.text
 
 

@@ -252,6 +252,14 @@ def fbgemm_pack(codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | 
     return torch.ops.quantized.linear_prepack(qweight, bias)
 
 
+@functools.cache
+def _fbgemm_grid() -> tuple[int, float, int]:
+    """(levels, step, zero): the fixed grid over [-1, 1] that fbgemm's activations take here
+    (7 bits without VNNI), and fbgemm's code for 0 on it (rounded half to even, as fbgemm's)."""
+    levels = 127 if reduce_range() else 255
+    return levels, 2.0 / levels, round(levels / 2)
+
+
 def _fbgemm_row_prepare(codes: torch.Tensor, scales: torch.Tensor):
     # Each output's weight times a row of ones: what the shift of a row's range takes back.
     ones = (codes.float().sum(dim=1) * scales.float()).contiguous()                  # [N]
@@ -270,9 +278,7 @@ def _fbgemm_row_run(state, x: torch.Tensor) -> torch.Tensor:
     the stretch: 14 bits or so of each row, computed the same whatever shares the call.
     The affine map is undone per row from the weight's row sums (`ones`)."""
     packed, ones = state
-    levels = 127 if reduce_range() else 255
-    step = 2.0 / levels                            # the grid over [-1, 1]
-    zero = int(torch.tensor(levels / 2).round())   # fbgemm's code for 0 on it (ties to even, as fbgemm's)
+    levels, step, zero = _fbgemm_grid()
     x = x.float()
     rows = x.shape[0]
     low, high = torch.aminmax(x, dim=1, keepdim=True)                                  # [M, 1] each

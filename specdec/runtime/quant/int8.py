@@ -35,9 +35,6 @@ from specdec.weights import vocab_rank
 from specdec.rpc.errors import FailedPrecondition
 from specdec.runtime.quant.base import Quantization, register
 
-_reduce_range = kernels.reduce_range
-
-
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None):
     # weight: [out_features, in_features]
     weight = weight.detach().float()
@@ -52,7 +49,13 @@ def _pack(weight: torch.Tensor, bias: torch.Tensor | None):
     return torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.detach().float())
 
 
-_pack_codes = kernels.fbgemm_pack
+def per_row_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (int8 codes [out, in], fp32 scales [out]): one scale per output
+    channel, its largest magnitude at 127."""
+    weight = weight.detach().float()
+    scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    return torch.round(weight / scales[:, None]).to(torch.int8), scales
+
 
 def _dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """codes [out, in] int8 times their per-row scales [out] -> [out, in] bf16, in cache-sized pieces."""
@@ -114,7 +117,7 @@ class Int8Linear(nn.Module):
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
         fused.in_features, fused.out_features = parts[0].in_features, sum(p.out_features for p in parts)
-        fused._packed = _pack_codes(torch.cat(codes), torch.cat(scales), bias)
+        fused._packed = kernels.fbgemm_pack(torch.cat(codes), torch.cat(scales), bias)
         start = 0
         for p in parts:
             p.__dict__.pop("_accel", None)
@@ -143,7 +146,7 @@ class Int8Linear(nn.Module):
             accel = []
             if kernels.usable("int8-channel"):
                 codes, scales, bias = self._codes()
-                without_bias = (lambda x: torch.ops.quantized.linear_dynamic(x, self._packed, _reduce_range())
+                without_bias = (lambda x: torch.ops.quantized.linear_dynamic(x, self._packed, kernels.reduce_range())
                                 - (bias if bias is not None else 0))
                 accel = kernels.prepared("int8-channel", codes, scales, without_bias)
                 self._bias = bias
@@ -155,7 +158,7 @@ class Int8Linear(nn.Module):
         return {k: v for k, v in self.__dict__.items() if k not in ("_accel", "_bias", "_kept_dense")}
 
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
-        fbgemm = lambda: torch.ops.quantized.linear_dynamic(flat, self._packed, _reduce_range())  # noqa: E731
+        fbgemm = lambda: torch.ops.quantized.linear_dynamic(flat, self._packed, kernels.reduce_range())  # noqa: E731
         accel = self._accelerated()
         if not accel:
             return fbgemm()
@@ -203,9 +206,8 @@ class Int8WeightOnlyLinear(nn.Module):
                  activation_bits: int = 8):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        weight = weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        self.register_buffer("qweight", torch.round(weight / scales[:, None]).to(torch.int8), persistent=False)
+        codes, scales = per_row_int8(weight)
+        self.register_buffer("qweight", codes, persistent=False)
         self.register_buffer("scales", scales.bfloat16(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
         self.int8_activations = int8_activations
