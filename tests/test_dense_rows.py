@@ -2,6 +2,8 @@
 weight, chosen once per shape and row bucket by timing both; the two agree."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -19,9 +21,14 @@ def int8_layer() -> Int8WeightOnlyLinear:
     return Int8WeightOnlyLinear(torch.randn(128, 256), torch.randn(128))
 
 
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("make, kind", [(int4_layer, "int4"), (int8_layer, "int8")])
-def test_many_rows_run_whichever_path_measured_faster_and_both_agree(monkeypatch, make, kind):
+def test_many_rows_run_whichever_path_measured_faster_and_both_agree(monkeypatch, make, kind, dtype):
     monkeypatch.setattr(kernels, "_CHOICE", {})
+    monkeypatch.setattr(dense_rows, "matmul_dtype", lambda: dtype)
     layer = make()
     weight = layer.dense_weight().float()
     bias = layer.bias.float()
@@ -51,12 +58,14 @@ def test_unpack_fills_every_chunk_in_order(monkeypatch):
     assert torch.equal(out[:, 0].float(), torch.arange(7, dtype=torch.float32)) and out.dtype == torch.bfloat16
 
 
-def test_the_int8_dynamic_layer_takes_bf16_activations_on_the_dense_path(monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_int8_dynamic_layer_takes_finer_activations_on_the_dense_path(monkeypatch, dtype):
     from specdec.runtime.quant.int8 import Int8Linear
     monkeypatch.setattr(kernels, "_CHOICE", {})
+    monkeypatch.setattr(dense_rows, "matmul_dtype", lambda: dtype)
     layer = Int8Linear(torch.randn(128, 256), torch.randn(128))
     weight, bias = layer.dense_weight()
-    assert weight.dtype == torch.bfloat16 and weight.shape == (128, 256)
+    assert weight.dtype == dtype and weight.shape == (128, 256)
     x = torch.randn(100, 256)
     reference = x @ weight.float().t() + bias
     key = ("int8-dynamic", 128, 256, "prefill", 128)
@@ -67,18 +76,20 @@ def test_the_int8_dynamic_layer_takes_bf16_activations_on_the_dense_path(monkeyp
     kernel_error = (layer(x) - reference).abs()
     assert (kernel_error <= (x.abs().amax() / 127) * weight.float().abs().sum(1)).all()
     kernels._CHOICE[key] = "dense"
-    assert (layer(x) - reference).abs().mean() < kernel_error.mean()  # bf16 activations are the finer
+    assert (layer(x) - reference).abs().mean() < kernel_error.mean()  # bf16 or fp32 activations are the finer
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("make, kind", [(int4_layer, "int4"), (int8_layer, "int8")])
-def test_kept_dense_weights_give_the_unpacked_paths_output(monkeypatch, make, kind):
+def test_kept_dense_weights_give_the_unpacked_paths_output(monkeypatch, make, kind, dtype):
     monkeypatch.setattr(kernels, "_CHOICE", {(kind, 128, 256, "prefill", 128): "dense",
                                              (kind, 128, 256, "kept", 128): "dense"})
+    monkeypatch.setattr(dense_rows, "matmul_dtype", lambda: dtype)
     layer = make()
     x = torch.randn(100, 256)
     unpacked = layer(x)
     held = dense_rows.keep([layer])
-    assert held == 128 * 256 * 2  # bf16
+    assert held == 128 * 256 * dtype.itemsize
     built = []
     monkeypatch.setattr(layer, "dense_weight", lambda: built.append(1))  # the kept weight is read, never rebuilt
     assert torch.equal(layer(x), unpacked) and built == []
@@ -137,3 +148,14 @@ def test_in_a_batched_forward_each_dense_call_runs_on_its_own_rows_and_the_kerne
             alone.append(layer(x[start:start + rows]))
         start += rows
     assert torch.equal(got, torch.cat(alone))
+
+
+@pytest.mark.parametrize("slow", DTYPES)
+def test_the_dense_path_multiplies_in_the_dtype_that_measured_faster(monkeypatch, slow):
+    def timed(x, weight):  # this dtype's matmul made the slower, whatever this CPU's speed
+        if x.dtype == slow:
+            time.sleep(0.01)
+        return x.new_empty((x.shape[0], weight.shape[0]))
+    monkeypatch.setattr(torch.nn.functional, "linear", timed)
+    fast = next(d for d in DTYPES if d != slow)
+    assert dense_rows.matmul_dtype.__wrapped__() == fast

@@ -162,7 +162,7 @@ def test_the_codes_and_the_dense_weight_read_back_out_of_the_kernels_packing():
         layer = Int4Linear.from_q4k(raw, rows, 256)
         codes, _, _ = q4k_codes(raw, rows, 256)
         assert torch.equal(layer.codes(), torch.from_numpy(codes).to(torch.uint8)), rows
-        dense = layer.dense_weight()
+        dense = layer.dense_weight(torch.bfloat16)
         assert dense.dtype == torch.bfloat16 and dense.shape == (rows, 256)
         # The weight the kernel applies (read out through it), within a bf16 rounding.
         assert torch.allclose(dense.float(), layer.dequantized(), rtol=2.0 ** -7, atol=1e-6), rows

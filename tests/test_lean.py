@@ -135,6 +135,8 @@ def test_a_calls_logits_do_not_depend_on_a_prefill_sharing_its_forward(monkeypat
     from specdec.runtime import kernels
     forward = _tiny_int4_forward()
     monkeypatch.setattr(kernels, "_CHOICE", {})
+    # bf16 dense matmuls, whose bits differ from the kernel's: which path a row took then shows.
+    monkeypatch.setattr(dense_rows, "matmul_dtype", lambda: torch.bfloat16)
     chosen = {("int4", layer.out_features, layer.in_features, "prefill", kernels.bucket(prefill_rows)): "dense"
               for layer in forward.linears()}  # the dense path wherever the chunk's rows ask
     kernels._CHOICE.update(chosen)

@@ -1,19 +1,20 @@
 """Calls over many rows (a prefill): the path built for a few rows, or the one
 built for many, whichever measured faster. Through a quantized layer that is its
-kernel, or a dense bf16 matmul on the weight unpacked for the call; in the lean
+kernel, or a dense matmul on the weight unpacked for the call (in bf16 or fp32,
+whichever `matmul_dtype` measured faster here); in the lean
 forward's attention, two batched matmuls, or torch's fused attention kernel.
 
 The quantized kernels are built for decoding: torch's int4 CPU kernel takes 4
 rows a pass, so its cost grows with the rows (a 1,024-token prefill of the 1.5B
 took 10.1 s in int4 against about 3 in bf16), and the int8 layers (weight-only,
 and fbgemm's dynamic GEMM with its int8 activations) do no better. Unpacking the weight costs a fixed few ms a layer, then the dense
-matmul runs at bf16 speed; with the dense weights kept (`keep`, the services'
+matmul runs at the speed of its dtype; with the dense weights kept (`keep`, the services'
 `--prefill-weights dense`), it is the matmul alone. Which is faster depends on the layer's shape, the
 rows and the machine, so it is measured: the first call of each shape and
 power-of-two row count times both (`kernels.pick`) and remembers.
 
 A call that keeps logits takes the kernel below MIN_ROWS, kept weight or not.
-The dense weight is the kernel's weight rounded to bf16, so its logits are not
+The dense weight is the kernel's weight in another rounding, so its logits are not
 the kernel's: a verify call (γ + 1 rows) on it can pick another greedy token
 than the decode step (one row, the kernel) would at a near tie, and speculative
 greedy output would then differ from target-only, depending on which path timed
@@ -30,14 +31,18 @@ on what else shares its forward.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specdec.runtime import kernels
 
+log = logging.getLogger(__name__)
 MIN_ROWS = 64  # fewer rows in a call that keeps logits: always the kernel (decode and verify calls)
 MIN_PREFILL_ROWS = 2  # one row: the kernel (its fastest path; a 1-row dense matmul runs oneDNN's GEMV, whose
 #                       bits differ from the same row's in a matmul of more rows)
@@ -125,6 +130,35 @@ def run_rows(key: tuple, x: torch.Tensor, few: Callable[[torch.Tensor], torch.Te
     return out
 
 
+@functools.cache
+def matmul_dtype() -> torch.dtype:
+    """The dtype the dense path multiplies in: bf16 or fp32, whichever ran a prefill-sized
+    matmul faster on this CPU (measured once per process). Where the CPU has bf16
+    arithmetic (AVX-512 BF16, AMX) bf16 moves half the bytes; where it has none, torch
+    emulates it and fp32 is several times faster (a 256-row 1536 x 8960 matmul took 329 ms
+    in bf16 against 44 in fp32 on an AVX2 EPYC), and it is the exacter of the two."""
+    x, w = torch.randn(128, 1024), torch.randn(1024, 1024)   # as `linear` multiplies: w is [out, in]
+    best = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        xd, wd = x.to(dtype), w.to(dtype)
+        times = []
+        for _ in range(4):                # the first call builds oneDNN's kernel: the fastest call counts
+            started = time.perf_counter()
+            F.linear(xd, wd)
+            times.append(time.perf_counter() - started)
+        best[dtype] = min(times)
+    chosen = min(best, key=best.get)
+    log.info("dense matmuls in %s (128 rows through a 1024 x 1024 weight: bf16 %.2f ms, fp32 %.2f ms)",
+             str(chosen).removeprefix("torch."), best[torch.bfloat16] * 1e3, best[torch.float32] * 1e3)
+    return chosen
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] times a dense weight [out, in], in the weight's dtype (`matmul_dtype`'s):
+    -> [rows, out] in x's dtype."""
+    return F.linear(x.to(weight.dtype), weight).to(x.dtype)
+
+
 def unpack(rows: int, cols: int, dtype: torch.dtype,
            chunk: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
     """[rows, cols] in `dtype`, filled CHUNK_ROWS at a time from chunk(start, end)
@@ -151,7 +185,8 @@ def keep(roots) -> int:
     """Build and hold the dense weight of every layer in `roots` (and their
     submodules) that has one (`dense_weight`),
     so a prefill's matmuls stop unpacking: for the 1.5B in int4, 4.3 against 17.5 ms a
-    prompt token on 256-token chunks here, for 2.7 GB held. Returns the bytes held.
+    prompt token on 256-token chunks here, for 2.7 GB held in bf16 (twice that where
+    the dense path multiplies in fp32, `matmul_dtype`). Returns the bytes held.
     Made after loading, so the model cache (written by the load) never stores it."""
     held, seen = 0, set()
     for module in (m for root in roots for m in root.modules()):

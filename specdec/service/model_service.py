@@ -237,7 +237,8 @@ def measure_cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> Cost
 
 
 def keep_dense_weights(loaded: LoadedModel, service_name: str) -> int:
-    """--prefill-weights dense: the quantized layers hold their bf16 weight for calls of many rows."""
+    """--prefill-weights dense: the quantized layers hold their dense weight (bf16 or fp32,
+    dense_rows.matmul_dtype) for calls of many rows."""
     if loaded.device.type != "cpu":
         return 0
     roots = loaded.lean.linears() if loaded.lean else [getattr(loaded.model, "model", loaded.model)]

@@ -57,9 +57,10 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
                               help="prompt tokens per prefill forward: a long prompt holds up other sessions' rounds "
                                    "by one chunk at a time"), up=True),
     S("--prefill-weights", dict(default="dense", choices=PREFILL_WEIGHTS,
-                                help="dense: keep a bf16 copy of the quantized layers' weights for calls of many rows "
-                                     "(prefills), so they run as plain matmuls (about 2 bytes a weight more memory, "
-                                     "logged at start); unpack: de-quantize each layer per call instead"), up=True),
+                                help="dense: keep a dense copy of the quantized layers' weights for calls of many rows "
+                                     "(prefills), so they run as plain matmuls (2 bytes a weight more memory in bf16, "
+                                     "4 where this CPU multiplies fp32 faster; logged at start); unpack: de-quantize "
+                                     "each layer per call instead"), up=True),
     S("--prefix-cache", dict(default="on", choices=("on", "off"),
                              help="keep the KV of prompts' full 16-token blocks for later sessions with the same "
                                   "prefix and cache salt (a chat's next turn, a shared system prompt), within the KV "

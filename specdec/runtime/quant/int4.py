@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
 from gguf.quants import Q4_K
 from torch import nn
@@ -188,7 +187,7 @@ class Int4Linear(nn.Module):
         return unpack_codes(self.packed.reshape(-1), n, k, start, end, *pack_layout())
 
     def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """[N, K] in the kernel's dtype (or `dtype`): w = (q - 8) * scale + zero = q * scale - min,
+        """[N, K] in the dense path's dtype (or `dtype`): w = (q - 8) * scale + zero = q * scale - min,
         per group of 32, computed in fp32 as the kernel does (q * scale and min nearly
         cancel where the weight is small, which bf16 steps would lose)."""
         n, k = self.out_features, self.in_features
@@ -199,7 +198,7 @@ class Int4Linear(nn.Module):
         def chunk(start: int, end: int) -> torch.Tensor:
             codes = self.codes(start, end).view(end - start, k // GROUP, GROUP).float()
             return codes.mul_(scale[start:end]).sub_(minimum[start:end]).view(end - start, k)
-        return dense_rows.unpack(n, k, dtype or self.dtype, chunk)
+        return dense_rows.unpack(n, k, dtype or dense_rows.matmul_dtype(), chunk)
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -227,7 +226,7 @@ class Int4Linear(nn.Module):
                                       self._accelerated())
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, dense_rows.weight(self, self.dense_weight))
+        return dense_rows.linear(x, dense_rows.weight(self, self.dense_weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

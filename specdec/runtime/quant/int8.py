@@ -27,7 +27,6 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec.runtime import dense_rows, kernels
@@ -58,9 +57,10 @@ def per_row_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """codes [out, in] int8 times their per-row scales [out] -> [out, in] bf16, in cache-sized pieces."""
+    """codes [out, in] int8 times their per-row scales [out] -> [out, in] in the dense path's dtype
+    (dense_rows.matmul_dtype), in cache-sized pieces."""
     scales = scales.float()[:, None]
-    return dense_rows.unpack(codes.shape[0], codes.shape[1], torch.bfloat16,
+    return dense_rows.unpack(codes.shape[0], codes.shape[1], dense_rows.matmul_dtype(),
                              lambda start, end: codes[start:end].float().mul_(scales[start:end]))
 
 
@@ -127,15 +127,15 @@ class Int8Linear(nn.Module):
         return fused
 
     def dense_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[out, in] bf16 (the int8 rows times their scales) and the fp32 bias."""
+        """[out, in] (the int8 rows times their scales, in the dense path's dtype) and the fp32 bias."""
         codes, scales, bias = self._codes()
         return _dequantized(codes, scales), bias
 
     def _dense(self, flat: torch.Tensor) -> torch.Tensor:
-        # A prefill's many rows: bf16 activations against the de-quantized weight
+        # A prefill's many rows: bf16 or fp32 activations against the de-quantized weight
         # (finer than the per-call int8 activations of the kernel, and faster there).
         weight, bias = dense_rows.weight(self, self.dense_weight)
-        out = F.linear(flat.bfloat16(), weight).float()
+        out = dense_rows.linear(flat, weight)
         return out if bias is None else out + bias
 
     def _accelerated(self) -> list[tuple[kernels.Backend, object]]:
@@ -214,7 +214,7 @@ class Int8WeightOnlyLinear(nn.Module):
         self.activation_bits = activation_bits
 
     def dense_weight(self) -> torch.Tensor:
-        """[out, in] bf16: the int8 rows times their scales."""
+        """[out, in]: the int8 rows times their scales, in the dense path's dtype."""
         return _dequantized(self.qweight, self.scales)
 
     def _weight_only(self, flat: torch.Tensor) -> torch.Tensor:
@@ -235,7 +235,7 @@ class Int8WeightOnlyLinear(nn.Module):
         return {k: v for k, v in self.__dict__.items() if k not in ("_accel", "_kept_dense")}
 
     def _dense(self, flat: torch.Tensor) -> torch.Tensor:
-        return F.linear(flat, dense_rows.weight(self, self.dense_weight))
+        return dense_rows.linear(flat, dense_rows.weight(self, self.dense_weight))
 
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
         return kernels.pick_per_layer(("int8-wo", self.out_features, self.in_features), flat, "torch-int8-wo",
