@@ -14,7 +14,7 @@ from specdec.runtime.batching import CallStats, Scheduler, lean_batch_forward
 from specdec.rpc.errors import InvalidArgument
 from specdec.runtime.cost_curve import CostCurve, LiveCurve, RowCost, pinned_curve
 from specdec.spec.limits import MAX_PROPOSE_TOKENS, validate_token_ids
-from specdec.runtime.kv_cache import PREFILL_CHUNK, SequenceCache, Steps
+from specdec.runtime.kv_cache import PREFILL_CHUNK, SequenceCache, Steps, drive
 from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.models import LoadedModel
@@ -198,10 +198,19 @@ def available_memory() -> int:
     return available
 
 
-def warm_up(loaded: LoadedModel) -> None:
-    """One short forward so the first request does not pay for lazy init."""
+def warm_up(loaded: LoadedModel, prefill_chunk: int = PREFILL_CHUNK) -> None:
+    """Forwards that leave nothing for the first requests to pay: lazy init, and the
+    timing of each prefill row bucket a chunk can fall in (kernels.pick times a
+    bucket's paths on its first call: the first 228-token prompt on an AVX2 EPYC
+    waited 10.3 s for its first token where the next waited 5.9)."""
     ids = loaded.tokenizer.encode("warm up", add_special_tokens=False) or [0]
     SequenceCache(loaded, ids).forward([], keep_last=1)
+    if loaded.device.type != "cpu":  # the timed paths are the CPU's
+        return
+    filler = [(7 * i + 3) % loaded.vocab_size for i in range(prefill_chunk + 1)]
+    for rows in sorted({min(kernels.bucket(n), prefill_chunk)
+                        for n in range(dense_rows.MIN_PREFILL_ROWS, prefill_chunk + 1)}):
+        drive(SequenceCache(loaded, filler[:rows + 1]).prefill_steps(chunk=rows))  # one chunk of `rows`
 
 
 CURVE_PREFIX = 128  # tokens cached before each timed forward: a short prompt's worth
@@ -276,7 +285,7 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
     running = start_server(lambda server: add_to_server(servicer, server), [service_name], host=host, port=port,
                            max_workers=max_sessions + 8, tls=tls, uds=uds, auth_token=auth_token)
     running.on_stop = store.close
-    torch_thread.run(warm_up, loaded)
+    torch_thread.run(warm_up, loaded, prefill_chunk)
     pinned = cost_curve or pinned_curve(service_name)
     servicer.curve = pinned or torch_thread.run(measure_cost_curve, loaded, cost_curve_rows)
     log.info("%s: forward ms by rows (1..%d): %s; prefill %.2f ms a token%s", service_name,
