@@ -80,7 +80,7 @@ def test_concurrent_decodes_share_forwards_and_equal_decoding_alone(tiny_target)
     alone = [TargetSession(tiny_target, p).decode(12, greedy) for p in PROMPTS]
     sessions = [TargetSession(tiny_target, p) for p in PROMPTS]
     seen: list[tuple[int, int]] = []
-    scheduler = Scheduler(lean_batch_forward(tiny_target.lean), on_forward=lambda rows, calls, ms: seen.append((rows, calls)))
+    scheduler = Scheduler(lean_batch_forward(tiny_target.lean), on_forward=lambda rows, calls, ms, prefill_rows: seen.append((rows, calls)))
     results = run_concurrently(scheduler, [lambda s=s: s.decode_steps(12, greedy) for s in sessions])
     assert [tokens for tokens, _ in results] == alone
     # All eight were pending together: each forward of the first steps ran them as one batch.
@@ -121,7 +121,12 @@ def test_a_long_prefill_runs_in_chunks_with_other_sessions_decoding_between_them
     long_prompt = [(i * 37) % 500 + 3 for i in range(301)]
     prefilling = TargetSession(tiny_target, long_prompt, prefill=False)
     seen: list[tuple[int, int]] = []
-    scheduler = Scheduler(lean_batch_forward(tiny_target.lean), on_forward=lambda rows, calls, ms: seen.append((rows, calls)))
+    prefill: list[int] = []
+
+    def forwarded(rows, calls, ms, prefill_rows):
+        seen.append((rows, calls))
+        prefill.append(prefill_rows)
+    scheduler = Scheduler(lean_batch_forward(tiny_target.lean), on_forward=forwarded)
     results = run_concurrently(scheduler, [lambda: prefilling.seq.prefill_steps(chunk=64),
                                            lambda: decoder.decode_steps(6, greedy)])
     assert results[1][0] == reference
@@ -129,6 +134,7 @@ def test_a_long_prefill_runs_in_chunks_with_other_sessions_decoding_between_them
     assert results[0][1].forwards == 5
     # Each of the decoder's steps shared a forward with a chunk: it waited one chunk at a time.
     assert seen[:5] == [(65, 2)] * 4 + [(45, 2)] and seen[5] == (1, 1)
+    assert prefill[:6] == [64] * 4 + [44, 0]                   # the chunks' rows, told apart from the decoder's
     alone = TargetSession(tiny_target, long_prompt)
     assert torch.allclose(prefilling.seq.forward([], 1), alone.seq.forward([], 1), atol=1e-4)
 

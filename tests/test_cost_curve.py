@@ -58,9 +58,14 @@ def test_a_live_curve_follows_the_forwards_by_their_median_and_moves_what_it_has
     assert curve.forward_ms[2:] == pytest.approx([88.0 * scale, 92.0 * scale], abs=1e-3)
     assert curve.prefill_ms_per_token == pytest.approx(8.0 * scale, abs=1e-3)
     for _ in range(5):
-        live.observe(64, 64 * 2.0)      # prefill chunks: ms per row is the prefill's per token
+        live.observe(64, 64 * 2.0, prefill_rows=64)  # prefill chunks alone: ms per row is the prefill's per token
     live.observe(6, 1e6)                # a batch just past the curve is neither
     assert live.current().prefill_ms_per_token == 2.0 and live.current().forward_ms[:2] == [20.0, 22.0]
+    for _ in range(5):
+        live.observe(2, 1.0, prefill_rows=2)     # a short prompt's prefill chunk: not a 2-row verification
+        live.observe(3, 1.0, prefill_rows=2)     # nor a chunk beside another call's row
+        live.observe(64, 1.0, prefill_rows=63)   # nor the prefill's cost per token
+    assert live.current() == CostCurve([20.0, 22.0, 88.0 * scale, 92.0 * scale], 2.0)
 
 
 def test_a_live_curve_forgets_what_the_window_has_passed():

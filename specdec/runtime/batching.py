@@ -66,12 +66,13 @@ class Scheduler:
 
     def __init__(self, batch_forward: Callable[[list[Forward]], list[torch.Tensor]] | None = None,
                  max_rows: int = 256, cost: Callable[[int], float] | None = None,
-                 on_forward: Callable[[int, int, float], None] = lambda rows, calls, ms: None):
+                 on_forward: Callable[[int, int, float, int], None] = lambda rows, calls, ms, prefill_rows: None):
         # batch_forward(forwards) -> their logits, one forward; None: each forward alone.
         self.batch_forward = batch_forward
         self.max_rows = max_rows
         self.cost = cost                  # ms by rows; None: take every pending forward
-        self.on_forward = on_forward      # (rows, calls, ms) after each forward: the live cost curve, metrics
+        # (rows, calls, ms, prefill_rows: those of prefill chunks) after each forward: the live cost curve
+        self.on_forward = on_forward
         self._lock = threading.Lock()
         self._incoming: list[_Call] = []
         self._active: list[_Call] = []    # torch thread only
@@ -172,7 +173,8 @@ class Scheduler:
                 # that fails leaves every cache as it was (LeanForward.batch).
                 outputs = None
             if outputs is not None:
-                self._forwarded(rows, len(ready), started)
+                self._forwarded(rows, len(ready), started,
+                                sum(len(c.pending.feed) for c in ready if c.pending.keep_last == 0))
                 for call, logits in zip(ready, outputs):
                     self._advance(call, lambda c, out=logits: c.steps.send(out))
                 return
@@ -183,14 +185,15 @@ class Scheduler:
             except BaseException as exc:
                 self._advance(call, lambda c, e=exc: c.steps.throw(e))
                 continue
-            self._forwarded(len(call.pending.feed), 1, alone)
+            feed = len(call.pending.feed)
+            self._forwarded(feed, 1, alone, feed if call.pending.keep_last == 0 else 0)
             self._advance(call, lambda c, out=logits: c.steps.send(out))
 
-    def _forwarded(self, rows: int, calls: int, started: float) -> None:
+    def _forwarded(self, rows: int, calls: int, started: float, prefill_rows: int) -> None:
         self.forwards += 1
         self.forward_rows += rows
         try:
-            self.on_forward(rows, calls, (time.perf_counter() - started) * 1e3)
+            self.on_forward(rows, calls, (time.perf_counter() - started) * 1e3, prefill_rows)
         except Exception:  # metrics must never fail a call
             log.exception("the scheduler's on_forward hook failed")
 

@@ -72,8 +72,13 @@ class LiveCurve:
     a few forwards slowed by a neighbour or a page fault do not move it. A row
     count with too few recent forwards takes its warm-up cost scaled as the
     others have moved (the median of their ratios), so a machine that got busier
-    or quieter moves the whole curve. Forwards past the curve's rows are prefill
-    chunks: their ms per row is the prefill's per token."""
+    or quieter moves the whole curve. A forward of prefill chunks alone, past the
+    curve's rows, gives the prefill's ms per token. Prefill chunks teach the row
+    counts nothing: they may run another path than the kernels a decode or a
+    verification runs (`dense_rows`: a dense fp32 matmul on an AVX2 CPU, some
+    times cheaper per row), and a curve that took a short prompt's prefill for a
+    verification of as many rows would make batched drafting under load look
+    cheaper than it is."""
 
     def __init__(self, measured: CostCurve, window: int = 32, min_samples: int = 5):
         self.measured = measured
@@ -83,14 +88,15 @@ class LiveCurve:
         self._lock = threading.Lock()
         self.observed = 0
 
-    def observe(self, rows: int, ms: float) -> None:
+    def observe(self, rows: int, ms: float, prefill_rows: int = 0) -> None:
+        """A forward of `rows` rows took `ms`; `prefill_rows` of them were prefill chunks'."""
         if rows < 1 or not ms > 0:
             return
         with self._lock:
             self.observed += 1
-            if rows <= len(self._rows):
+            if prefill_rows == 0 and rows <= len(self._rows):
                 self._rows[rows - 1].append(ms)
-            elif rows >= 2 * len(self._rows):   # a prefill chunk, not a batch just past the curve
+            elif prefill_rows == rows >= 2 * len(self._rows):   # chunks alone, not a batch just past the curve
                 self._prefill.append(ms / rows)
 
     def current(self) -> CostCurve:

@@ -71,8 +71,8 @@ class ModelServiceBase(Generic[S]):
         self.live = LiveCurve(self.curve)
         scheduler = self.scheduler
 
-        def observed(rows: int, calls: int, ms: float) -> None:
-            self.live.observe(rows, ms)
+        def observed(rows: int, calls: int, ms: float, prefill_rows: int) -> None:
+            self.live.observe(rows, ms, prefill_rows)
             if self.live.observed % refresh_every == 0:
                 scheduler.cost = RowCost(self.live.current().forward_ms)
         scheduler.on_forward = observed
