@@ -15,6 +15,7 @@ Backends:
   fbgemm-int8      fbgemm's dynamic int8 GEMM, int8 activations per call (the INT8 drafter's)
   torch-int8-wo    torch's int8 weight-only kernel (`_weight_int8pack_mm`), bf16 activations
   bf16             a dense bf16 matmul (oneDNN)
+  fp32             a dense fp32 matmul (the prefill path's where bf16 multiplies slower: dense_rows.matmul_dtype)
   fbgemm-int8-row  fbgemm's dynamic int8 GEMM made per row (specdec.runtime.kernels: each row mapped onto [-1, 1],
                    the call's range pinned), int8 activations per row (what the int4 target's gate/up and head may run)
   zentorch-int8    zentorch's dynamic int8 x int8 linear (optional: `pip install zentorch`)
@@ -126,6 +127,14 @@ def call_bf16(state, x):
     return F.linear(x.bfloat16(), state)
 
 
+def build_fp32(w):
+    return w.float().contiguous()
+
+
+def call_fp32(state, x):
+    return F.linear(x.float(), state)
+
+
 def build_zentorch(w):
     import zentorch  # noqa: F401 - registers torch.ops.zentorch
     scales = (w.abs().amax(1).clamp(min=1e-8) / 127).float()
@@ -212,6 +221,7 @@ BACKENDS = {
     "fbgemm-int8-row": (build_fbgemm_row, call_fbgemm_row),
     "torch-int8-wo": (build_int8_wo, call_int8_wo),
     "bf16": (build_bf16, call_bf16),
+    "fp32": (build_fp32, call_fp32),
     "zentorch-int8": (build_zentorch, call_zentorch),
     "zentorch-w4a8": (build_zentorch_w4a8, call_zentorch_w4a8),
     "ort-int4": (build_ort, call_ort),

@@ -219,19 +219,19 @@ def test_a_verify_calls_logits_and_keys_are_a_decode_steps_to_the_bit():
             assert torch.equal(cache.buffer[:, :, :, :end], steps.buffer[:, :, :, :end]), (prefix, rows)
 
 
-def test_warm_up_times_every_prefill_bucket_a_chunk_can_meet(monkeypatch):
+def test_warm_up_can_time_every_prefill_bucket_a_chunk_can_meet(monkeypatch):
     # A request's first prefill of a new size must not pay for timing its paths: warm-up
     # has timed each row bucket a chunk of up to --prefill-chunk rows falls in.
     from types import SimpleNamespace
 
     from specdec.runtime import kernels
     from specdec.runtime.kv_cache import SequenceCache
-    from specdec.service.model_service import warm_up
+    from specdec.service.model_service import time_prefill_buckets
     monkeypatch.setattr(kernels, "_CHOICE", {})
     forward = _tiny_int4_forward()
     loaded = SimpleNamespace(lean=forward, device=torch.device("cpu"), vocab_size=300,
                              tokenizer=SimpleNamespace(encode=lambda text, add_special_tokens: [5, 6]))
-    warm_up(loaded, prefill_chunk=20)
+    time_prefill_buckets(loaded, prefill_chunk=20)
     layer = forward.linears()[0]
     timed = {k[-1] for k in kernels._CHOICE if k[:4] == ("int4", layer.out_features, layer.in_features, "prefill")}
     assert timed == {2, 3, 4, 5, 6, 7, 8, 16, 32}

@@ -198,13 +198,17 @@ def available_memory() -> int:
     return available
 
 
-def warm_up(loaded: LoadedModel, prefill_chunk: int = PREFILL_CHUNK) -> None:
-    """Forwards that leave nothing for the first requests to pay: lazy init, and the
-    timing of each prefill row bucket a chunk can fall in (kernels.pick times a
-    bucket's paths on its first call: the first 228-token prompt on an AVX2 EPYC
-    waited 10.3 s for its first token where the next waited 5.9)."""
+def warm_up(loaded: LoadedModel) -> None:
+    """One short forward so the first request does not pay for lazy init."""
     ids = loaded.tokenizer.encode("warm up", add_special_tokens=False) or [0]
     SequenceCache(loaded, ids).forward([], keep_last=1)
+
+
+def time_prefill_buckets(loaded: LoadedModel, prefill_chunk: int = PREFILL_CHUNK) -> None:
+    """Prefill one chunk of each row bucket a chunk can fall in, so kernels.pick has
+    timed its paths before any request meets it (otherwise the request that does
+    pays: the first 228-token prompt on an AVX2 EPYC waited 10.3 s for its first
+    token where the next waited 5.9)."""
     if loaded.device.type != "cpu":  # the timed paths are the CPU's
         return
     filler = [(7 * i + 3) % loaded.vocab_size for i in range(prefill_chunk + 1)]
@@ -269,7 +273,8 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
                 prefix_cache: str = "on") -> RunningServer:
     """Start a model service; it reports SERVING only once the model is warm.
     `cost_curve`: publish this curve instead of timing one at warm-up (None: the
-    one the environment pins, else timed over `cost_curve_rows` rows)."""
+    one the environment pins, else timed over `cost_curve_rows` rows, and with it the
+    prefill paths of every chunk's row bucket)."""
     refuse_if_exposed(service_name, host, tls, uds, auth_token)
     if prefill_chunk < 1 or max_batch_rows < 1:
         raise ValueError(f"--prefill-chunk ({prefill_chunk}) and --max-batch-rows ({max_batch_rows}) must be >= 1")
@@ -285,8 +290,10 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
     running = start_server(lambda server: add_to_server(servicer, server), [service_name], host=host, port=port,
                            max_workers=max_sessions + 8, tls=tls, uds=uds, auth_token=auth_token)
     running.on_stop = store.close
-    torch_thread.run(warm_up, loaded, prefill_chunk)
+    torch_thread.run(warm_up, loaded)
     pinned = cost_curve or pinned_curve(service_name)
+    if not pinned and cost_curve_rows > 0:  # timed with the curve, or at a bucket's first call
+        torch_thread.run(time_prefill_buckets, loaded, prefill_chunk)
     servicer.curve = pinned or torch_thread.run(measure_cost_curve, loaded, cost_curve_rows)
     log.info("%s: forward ms by rows (1..%d): %s; prefill %.2f ms a token%s", service_name,
              len(servicer.curve.forward_ms), ", ".join(f"{ms:.1f}" for ms in servicer.curve.forward_ms),

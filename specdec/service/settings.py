@@ -45,7 +45,8 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
     S("--threads", dict(type=int, default=0, help="torch CPU threads (0 = torch's default)"), up=True, chart=True),
     S("--cost-curve-rows", dict(type=int, default=17,
                                 help="at warm-up, time one forward over 1..N new rows and publish the curve in Info, "
-                                     "for the coordinator's choice of γ (0 = do not measure)"), up=True),
+                                     "for the coordinator's choice of γ, and time the prefill paths of every chunk "
+                                     "size (0 = do not measure; a chunk size is then timed at its first call)"), up=True),
     S("--cost-curve", dict(type=CostCurve.parse, metavar="MS,MS,...[:PREFILL_MS]",
                            help="publish this cost curve (ms of one forward over 1, 2, ... rows; the prefill's ms per "
                                 "token) instead of timing one at warm-up; default: $SPECDEC_DRAFTER_COST_CURVE or "
