@@ -29,9 +29,9 @@ log = logging.getLogger(__name__)
 TRIES = 3               # timed calls of each kernel before a bucket's choice; the fastest call counts
 # A kernel that took this many times the fastest one's time is not timed again for the bucket.
 # A first call's one-off costs (oneDNN building its kernel) rarely reach it, and timing a
-# path that slow three times is what a request pays: the first 228-token prompt on an AVX2
-# CPU, whose emulated bf16 matmuls are 4x its int8 kernels there, waited 10.3 s for its
-# first token against 5.9 for the next.
+# path that slow three times is what a service's start (model_service.time_prefill_buckets),
+# or else a bucket's first request, pays: on an AVX2 CPU emulated bf16 matmuls are 4x its
+# int8 kernels.
 HOPELESS = 3.0
 CHECK_TOLERANCE = 0.03  # a backend's output within this relative error of torch's on the layer, or it is skipped
 

@@ -34,10 +34,15 @@ from specdec.weights import vocab_rank
 from specdec.rpc.errors import FailedPrecondition
 from specdec.runtime.quant.base import Quantization, register
 
+def _row_scales(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] fp32 -> [out]: one scale per output channel, its largest magnitude at 127."""
+    return weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+
+
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None):
     # weight: [out_features, in_features]
     weight = weight.detach().float()
-    scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    scales = _row_scales(weight)
     zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
     with warnings.catch_warnings():
         # torch 2.13 flags quantized-tensor creation as deprecated; fbgemm's
@@ -52,7 +57,7 @@ def per_row_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [out, in] -> (int8 codes [out, in], fp32 scales [out]): one scale per output
     channel, its largest magnitude at 127."""
     weight = weight.detach().float()
-    scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    scales = _row_scales(weight)
     return torch.round(weight / scales[:, None]).to(torch.int8), scales
 
 
