@@ -22,7 +22,9 @@ Backends:
   zentorch-w4a8    zentorch's dynamic int8 x int4 linear over the same Q4_K codes: signed codes (q - 8) with
                    the group scales, int8 activations per row, and the zeros added back as the group sums of
                    x times them (optional: `pip install zentorch`)
-  ort-int4         onnxruntime's MatMulNBits over the same Q4_K codes (float zero points), (optional: `pip install onnxruntime onnx`)
+  ggml             llama.cpp's kernels (ggml) over the weight as a GGUF Q4_K tensor (Q8_0 where K is not a
+                   multiple of 256), activations rounded to
+                   8 bits per block of 256 of a row (specdec.runtime.ggml; optional: `pip install ".[llama-cpp]"`)
 """
 from __future__ import annotations
 
@@ -173,31 +175,46 @@ def call_zentorch_w4a8(state, x):
     return (y + sums @ zeros)[:rows]
 
 
-def build_ort(w):
-    """The GGUF's codes as they are: Q4_K's per-group minimum as float zero points (w = s (q - m / s))."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
+def q4k_bytes(w):
+    """w [N, K] -> a GGUF Q4_K tensor's bytes [N, K/256 * 144] (llama.cpp's layout: fp16 d and dmin,
+    the 8 groups' 6-bit scales and minimums packed in 12 bytes, then the codes two a byte), rounded
+    as q4() rounds, its group scales and minimums then on Q4_K's 6-bit grid under d and dmin."""
+    import numpy as np
     n, k = w.shape
-    codes, scale, minimum = q4(w)
-    c = codes.to(torch.uint8).view(n, k // GROUP, GROUP).numpy()
-    packed = c[..., 0::2] | (c[..., 1::2] << 4)
-    node = helper.make_node("MatMulNBits", ["x", "w", "s", "z"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
-                            block_size=GROUP, accuracy_level=4)
-    graph = helper.make_graph(
-        [node], "mm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
-        [helper.make_tensor("w", TensorProto.UINT8, packed.shape, packed.tobytes(), raw=True),
-         helper.make_tensor("s", TensorProto.FLOAT, [n * (k // GROUP)], scale.numpy().reshape(-1).tobytes(), raw=True),
-         helper.make_tensor("z", TensorProto.FLOAT, [n * (k // GROUP)], (minimum / scale).numpy().reshape(-1).tobytes(),
-                            raw=True)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = torch.get_num_threads()
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    g = w.double().numpy().reshape(-1, 8, GROUP)                                   # [blocks, 8, 32]
+    lo = np.minimum(g.min(-1), 0.0)
+    scale = np.maximum((g.max(-1) - lo) / 15, 1e-8)
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = ((-lo).max(-1) / 63).astype(np.float16)
+    sc = np.clip(np.round(scale / np.maximum(d.astype(np.float64), 1e-12)[:, None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.round(-lo / np.maximum(dmin.astype(np.float64), 1e-12)[:, None]), 0, 63).astype(np.uint8)
+    step = d.astype(np.float64)[:, None] * sc
+    codes = np.clip(np.round((g + (dmin.astype(np.float64)[:, None] * m)[..., None]) / step[..., None]), 0, 15)
+    codes = codes.astype(np.uint8)
+    packed = np.zeros((g.shape[0], 12), dtype=np.uint8)
+    packed[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    packed[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:8] & 15) | ((m[:, 4:8] & 15) << 4)
+    pairs = codes.reshape(-1, 4, 2, GROUP)                                         # 64 weights: low, then high
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qs], 1)
+    return torch.from_numpy(blocks.reshape(n, -1).copy())
 
 
-def call_ort(state, x):
-    return state.run(None, {"x": x.numpy()})[0]
+def build_ggml(w):
+    """The weight as a GGUF Q4_K tensor (Q8_0 where K is not a multiple of Q4_K's 256, as GGUF
+    files store such tensors), through llama.cpp's own kernels (specdec.runtime.ggml)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    n, k = w.shape
+    if k % 256:
+        blocks = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.Q8_0).reshape(n, -1))
+        return kernels._ggml_prepare(blocks, int(GGMLQuantizationType.Q8_0), k)
+    return kernels._ggml_prepare(q4k_bytes(w), int(GGMLQuantizationType.Q4_K), k)
+
+
+def call_ggml(state, x):
+    return kernels._ggml_run(state, x)
 
 
 # CPU features a backend's kernels need (/proc/cpuinfo names), as the services' registry
@@ -224,7 +241,7 @@ BACKENDS = {
     "fp32": (build_fp32, call_fp32),
     "zentorch-int8": (build_zentorch, call_zentorch),
     "zentorch-w4a8": (build_zentorch_w4a8, call_zentorch_w4a8),
-    "ort-int4": (build_ort, call_ort),
+    "ggml": (build_ggml, call_ggml),
 }
 
 
@@ -233,7 +250,7 @@ def bytes_of(state) -> int:
         return state.numel() * state.element_size()
     if isinstance(state, tuple):
         return sum(bytes_of(s) for s in state)
-    return 0
+    return getattr(state, "nbytes", 0)
 
 
 def measure(call, states, x, budget_s: float) -> float:

@@ -52,7 +52,7 @@ def use(loaded, mode: str) -> None:
                 scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
                 codes = torch.round(weight / scales[:, None]).to(torch.int8)
                 torch_int4 = lambda x, m=module: m._int4(x.to(m.dtype))  # noqa: E731
-                accel = kernels.prepared("int8-channel", codes, scales, torch_int4, per_row=True)
+                accel = kernels.prepared("int8-channel", (codes, scales), torch_int4, per_row=True)
                 module.__dict__["_w8a8"] = accel[0] if accel else None
             if module.__dict__["_w8a8"] is not None:
                 backend, state = module.__dict__["_w8a8"]

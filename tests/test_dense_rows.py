@@ -13,6 +13,12 @@ from specdec.runtime.quant.int8 import Int8WeightOnlyLinear
 from tests.test_int4 import random_q4k
 
 
+@pytest.fixture(autouse=True)
+def own_kernels_only(monkeypatch):
+    """A layer's own kernel against the dense path: the accelerated ones are tests/test_kernels.py's."""
+    monkeypatch.setattr(kernels, "BACKENDS", [])
+
+
 def int4_layer() -> Int4Linear:
     return Int4Linear.from_q4k(random_q4k(128, 256, seed=3), 128, 256, torch.randn(128))
 

@@ -194,6 +194,7 @@ def test_gate_and_up_offer_int8_activations_checked_per_layer_and_a_verification
     from specdec.runtime import kernels
 
     monkeypatch.setattr(kernels, "_CHOICE", {})
+    monkeypatch.setitem(kernels._usable, "ggml", False)   # the GGUF-block kernels: tests/test_ggml.py
     parts = [Int4Linear.from_q4k(random_q4k(128, 256, seed=s), 128, 256, int8_activations=True) for s in (7, 8)]
     plain = Int4Linear.from_q4k(random_q4k(128, 256, seed=9), 128, 256)
     fused = Int4Linear.concat(parts)

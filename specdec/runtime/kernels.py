@@ -33,16 +33,20 @@ TRIES = 3               # timed calls of each kernel before a bucket's choice; t
 # or else a bucket's first request, pays: on an AVX2 CPU emulated bf16 matmuls are 4x its
 # int8 kernels.
 HOPELESS = 3.0
+# Calls under this many rows share a per-layer choice (`pick(..., per_layer=True)`): decode
+# and verification calls, which keep logits (dense_rows.MIN_ROWS: they never leave the kernel).
+PER_LAYER_ROWS = 64
 CHECK_TOLERANCE = 0.03  # a backend's output within this relative error of torch's on the layer, or it is skipped
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str
-    weight_format: str    # the weight it computes from: "int8-channel" (int8 codes [N, K], one scale per row)
+    # The weight it computes from, and so what `prepare` takes (WEIGHT_FORMATS).
+    weight_format: str
     module: str           # imported before it is used: where it does not install, the backend is skipped
-    prepare: Callable[[torch.Tensor, torch.Tensor], object]   # (codes [N, K] int8, scales [N] fp32) -> its weight
-    run: Callable[[object, torch.Tensor], torch.Tensor]       # (its weight, x [M, K] fp32) -> [M, N]
+    prepare: Callable[..., object]                        # (*the weight, as its format has it) -> its weight
+    run: Callable[[object, torch.Tensor], torch.Tensor]   # (its weight, x [M, K]) -> [M, N]
     # Each row's output depends on that row alone (activations scaled per row), bit for bit,
     # whatever rows share the call: such a kernel can serve a layer whose decode step and
     # verification must agree exactly (`pick(..., per_layer=True)`).
@@ -54,8 +58,16 @@ class Backend:
     # end the process on a CPU without them (zentorch's int8 GEMM dies of SIGILL on an
     # AVX2-only EPYC), so a backend is not even imported where one is missing.
     cpu_flags: tuple[str, ...] = ()
+    # Run once after the import, before any layer uses it; raising leaves the backend out.
+    # For a native library that may end the process where it was built for another CPU.
+    selftest: Callable[[], None] | None = None
 
 
+# What each weight format hands a backend's `prepare`: the tensors, in order.
+WEIGHT_FORMATS = {
+    "int8-channel": "codes [N, K] int8 and their scales [N] fp32: w = codes * scale, per output row",
+    "gguf-blocks": "a GGUF tensor's own bytes, uint8 [N, bytes per row], their ggml type (an int) and K",
+}
 BACKENDS: list[Backend] = []
 _usable: dict[str, bool] = {}
 _lock = threading.Lock()
@@ -100,24 +112,28 @@ def usable(weight_format: str, per_row: bool = False, activation_bits: int = 0) 
                     continue
                 try:
                     importlib.import_module(backend.module)
+                    if backend.selftest is not None:
+                        backend.selftest()
                     _usable[backend.name] = True
                     log.info("kernel backend %s is available (%s)", backend.name, backend.module)
                 except Exception as exc:  # not installed, or built for another torch or CPU
                     _usable[backend.name] = False
-                    log.info("kernel backend %s skipped: %s does not import here (%s: %s)", backend.name,
+                    log.info("kernel backend %s skipped: %s does not import or run here (%s: %s)", backend.name,
                              backend.module, type(exc).__name__, str(exc).splitlines()[0][:120] if str(exc) else "")
         if _usable[backend.name]:
             out.append(backend)
     return out
 
 
-def checked(backend: Backend, codes: torch.Tensor, scales: torch.Tensor,
-            reference: Callable[[torch.Tensor], torch.Tensor]) -> object | None:
-    """The backend's weight for this layer, if its output on a probe matches the
-    layer's own kernel (`reference`); None (said once per backend and shape) if it does not."""
+def checked(backend: Backend, weight: tuple, reference: Callable[[torch.Tensor], torch.Tensor],
+            in_features: int) -> object | None:
+    """The backend's weight for this layer (`weight` in its format, [N, ...] first), if
+    its output on a probe matches the layer's own kernel (`reference`); None (said once per
+    backend and shape) if it does not."""
+    out_features = weight[0].shape[0]
     try:
-        state = backend.prepare(codes, scales)
-        probe = torch.randn(4, codes.shape[1], generator=torch.Generator().manual_seed(0))
+        state = backend.prepare(*weight)
+        probe = torch.randn(4, in_features, generator=torch.Generator().manual_seed(0))
         want = reference(probe).float()
         got = torch.as_tensor(backend.run(state, probe)).float()
         error = float((got - want).norm() / want.norm().clamp(min=1e-12))
@@ -129,25 +145,27 @@ def checked(backend: Backend, codes: torch.Tensor, scales: torch.Tensor,
     # Left out for this shape only: a kernel can be wrong for some shapes and right for others
     # (zentorch 2.13's int8 x int8 GEMM is off by several times the output from an inner size of
     # 4,096 on an AVX-512 EPYC, and exact below it), so the layers it computes rightly keep it.
-    shape = (backend.name, *codes.shape)
+    shape = (backend.name, out_features, in_features)
     with _lock:
         said = shape in _FAILED
         _FAILED.add(shape)
     if not said:
         log.warning("kernel backend %s skipped for %d x %d layers: it failed its check (%s)", backend.name,
-                    codes.shape[0], codes.shape[1], reason)
+                    out_features, in_features, reason)
     return None
 
 
-def prepared(weight_format: str, codes: torch.Tensor, scales: torch.Tensor,
-             reference: Callable[[torch.Tensor], torch.Tensor], per_row: bool = False,
-             activation_bits: int = 0) -> list[tuple[Backend, object]]:
+def prepared(weight_format: str, weight: tuple, reference: Callable[[torch.Tensor], torch.Tensor],
+             per_row: bool = False, activation_bits: int = 0,
+             in_features: int | None = None) -> list[tuple[Backend, object]]:
     """[(backend, its weight)] for every usable backend of this format (per-row ones
     only, with `per_row`; keeping `activation_bits`) that passes its check on this
-    layer against `reference`."""
+    layer against `reference`; `weight` as WEIGHT_FORMATS[weight_format] lists it
+    (its first tensor [N, K] unless `in_features` says K)."""
+    assert weight_format in WEIGHT_FORMATS, weight_format
     out = []
     for backend in usable(weight_format, per_row, activation_bits):
-        state = checked(backend, codes, scales, reference)
+        state = checked(backend, weight, reference, in_features or weight[0].shape[1])
         if state is not None:
             out.append((backend, state))
     return out
@@ -171,13 +189,16 @@ def pick(key: tuple, rows: int, kernels: dict[str, Callable[[], torch.Tensor]],
     layer's own (torch's): an accelerated one that raises is dropped for the
     bucket, with a line, and the call goes on without it. One kernel: it runs.
 
-    per_layer: one choice for every row count (made on the first call), for a
-    layer whose kernels round differently: a verification's rows must get what
-    one decode step at a time would, so the kernel may not change with the rows."""
+    per_layer: one choice for every call under PER_LAYER_ROWS rows (made on the first
+    of them), for a layer whose kernels round differently: a verification's rows must
+    get what one decode step at a time would, so the kernel may not change with the
+    rows. A call of more rows (a prefill chunk on the kernel path, which keeps no
+    logits) is timed per bucket as usual: were the first call a 200-token prompt's
+    prefill, a choice made on it would serve decoding with the kernel fastest at 200 rows."""
     default = next(iter(kernels))
     if len(kernels) == 1:
         return kernels[default]()
-    choice_key = (*key, 0 if per_layer else bucket(rows))
+    choice_key = (*key, 0 if per_layer and rows < PER_LAYER_ROWS else bucket(rows))
     name = _CHOICE.get(choice_key)
     if name in kernels:
         if name == default:
@@ -217,18 +238,26 @@ def pick(key: tuple, rows: int, kernels: dict[str, Callable[[], torch.Tensor]],
 def pick_per_layer(key: tuple, x: torch.Tensor, own_name: str, own: Callable[[torch.Tensor], torch.Tensor],
                    accel: list[tuple[Backend, object]]) -> torch.Tensor:
     """own(x), or one of the per-row kernels `accel` ([(backend, its weight)]) for a layer
-    whose rows must come out the same in any call: one choice for every call, made on
-    the first (`pick(..., per_layer=True)`); the output in x's dtype."""
+    whose rows must come out the same in any call: one choice for every call under
+    PER_LAYER_ROWS rows (`pick(..., per_layer=True)`), made on the first of them and timed
+    on one row of it, a decode step's call (the one every request makes most), whatever
+    rows that first call has (a warm-up's or a short prompt's few rows would otherwise
+    decide: at 5 to 49 rows on the AVX2 EPYC they chose kernels that decode 1.5x slower);
+    the output in x's dtype."""
     if not accel:
         return own(x)
-    return pick(key, x.shape[0], {own_name: lambda: own(x),
-                                  **{b.name: (lambda b=b, s=s: b.run(s, x).to(x.dtype)) for b, s in accel}},
-                per_layer=True)
+
+    def calls(x: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+        return {own_name: lambda: own(x), **{b.name: (lambda b=b, s=s: b.run(s, x).to(x.dtype)) for b, s in accel}}
+    rows = x.shape[0]
+    if 1 < rows < PER_LAYER_ROWS and (*key, 0) not in _CHOICE:
+        pick(key, 1, calls(x[:1]), per_layer=True)
+    return pick(key, rows, calls(x), per_layer=True)
 
 
 def choices() -> list[str]:
     """What `pick` chose so far, one line per layer shape and row bucket."""
-    return [f"{' '.join(str(k) for k in key[:-1])} {f'rows<={key[-1]}' if key[-1] else 'every call'}: {name}"
+    return [f"{' '.join(str(k) for k in key[:-1])} {f'rows<={key[-1]}' if key[-1] else f'calls under {PER_LAYER_ROWS} rows'}: {name}"
             for key, name in sorted(
         _CHOICE.items(), key=lambda item: (tuple(str(k) for k in item[0][:-1]), item[0][-1]))]
 
@@ -316,3 +345,29 @@ def _zentorch_run(state, x: torch.Tensor) -> torch.Tensor:
 # (AOCL's s8s8s32) needs AVX-512 VNNI: on an AVX2 CPU it ends the process.
 register(Backend("zentorch-int8", "int8-channel", "zentorch", _zentorch_prepare, _zentorch_run, per_row=True,
                  cpu_flags=("avx512_vnni",)))
+
+
+def _ggml_prepare(blocks: torch.Tensor, ggml_type: int, in_features: int):
+    from specdec.runtime import ggml
+    linear = ggml.GgmlLinear(blocks, ggml_type, in_features)
+    probe = torch.randn(ggml.CHUNK_ROWS, in_features, generator=torch.Generator().manual_seed(1))
+    if not linear.rows_alone(probe):
+        raise RuntimeError("its rows are not computed alone: a row's output changed with the rows beside it")
+    return linear
+
+
+def _ggml_run(linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x)
+
+
+# llama.cpp's own kernels (ggml, shipped by llama-cpp-python: `pip install ".[llama-cpp]"`) over the
+# GGUF's blocks as they are, activations quantized per block of a row (specdec.runtime.ggml). On an
+# AVX2 EPYC they ran the 1.5B's Q4_K and Q6_K layers at one row in about a third of torch's int4
+# kernel's time and half of fbgemm's; their cost grows with the rows as torch's int4 kernel's does.
+def _ggml_selftest() -> None:
+    from specdec.runtime import ggml
+    ggml.selftest()
+
+
+register(Backend("ggml", "gguf-blocks", "llama_cpp", _ggml_prepare, _ggml_run, per_row=True,
+                 selftest=_ggml_selftest))

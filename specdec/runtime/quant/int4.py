@@ -116,7 +116,7 @@ class Int4Linear(nn.Module):
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                  bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16,
-                 int8_activations: bool = False):
+                 int8_activations: bool = False, blocks: torch.Tensor | None = None):
         super().__init__()
         self.int8_activations = int8_activations
         out_features, in_features = codes.shape                                     # codes [N, K] 0..15
@@ -128,6 +128,9 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             codes.to(torch.int32).contiguous(), INNER_K_TILES))
         self.register_buffer("scales_and_zeros", torch.stack([scale_t.t(), zero.t()], dim=-1).contiguous())
+        # The GGUF's own Q4_K bytes [N, K/256 * 144], where the layer came from a GGUF: the
+        # kernels that take its blocks as they are (kernels' "gguf-blocks" backends) read these.
+        self.register_buffer("gguf_blocks", None if blocks is None else blocks.reshape(out_features, -1).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self.dtype = dtype
 
@@ -136,7 +139,8 @@ class Int4Linear(nn.Module):
                  int8_activations: bool = False) -> "Int4Linear":
         codes, scale, minimum = q4k_codes(raw, rows, cols)
         return cls(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(minimum), bias,
-                   int8_activations=int8_activations)
+                   int8_activations=int8_activations,
+                   blocks=torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, -1).copy()))
 
     @staticmethod
     def concatenable(parts: list) -> bool:
@@ -160,12 +164,16 @@ class Int4Linear(nn.Module):
         fused.int8_activations = all(p.int8_activations for p in parts)
         fused.register_buffer("packed", torch.cat([p.packed for p in parts]))                # [N, K/2]
         fused.register_buffer("scales_and_zeros", torch.cat([p.scales_and_zeros for p in parts], dim=1))
+        fused.register_buffer("gguf_blocks", None if any(p.gguf_blocks is None for p in parts)
+                              else torch.cat([p.gguf_blocks for p in parts]))
         fused.register_buffer("bias", None if parts[0].bias is None else torch.cat([p.bias for p in parts]))
         start = 0
         for p in parts:
             end = start + p.out_features
             p.packed = fused.packed[start:end]
             p.scales_and_zeros = fused.scales_and_zeros[:, start:end]
+            if fused.gguf_blocks is not None:
+                p.gguf_blocks = fused.gguf_blocks[start:end]
             if p.bias is not None:
                 p.bias = fused.bias[start:end]
             start = end
@@ -205,15 +213,20 @@ class Int4Linear(nn.Module):
             x, self.packed, GROUP, self.scales_and_zeros.contiguous())  # a fused layer's part holds a strided view
 
     def _accelerated(self) -> list[tuple[kernels.Backend, object]]:
-        """With int8_activations, the per-row int8 kernels for this weight re-rounded to
-        int8 per output channel, each checked against the int4 kernel; none where none runs."""
+        """The per-row kernels that take the GGUF's Q4_K blocks as they are, and with
+        int8_activations those for this weight re-rounded to int8 per output channel, each
+        checked against the int4 kernel; none where none runs."""
         accel = self.__dict__.get("_accel")
         if accel is None:
+            reference = lambda x: self._int4(x.to(self.dtype))  # noqa: E731
             accel = []
+            if self.gguf_blocks is not None and kernels.usable("gguf-blocks", per_row=True):
+                accel += kernels.prepared("gguf-blocks", (self.gguf_blocks, int(GGMLQuantizationType.Q4_K),
+                                                          self.in_features), reference, per_row=True,
+                                          in_features=self.in_features)
             if self.int8_activations and kernels.usable("int8-channel", per_row=True):
                 codes, scales = per_row_int8(self.dense_weight(torch.float32))
-                accel = kernels.prepared("int8-channel", codes, scales, lambda x: self._int4(x.to(self.dtype)),
-                                         per_row=True)
+                accel += kernels.prepared("int8-channel", (codes, scales), reference, per_row=True)
             self._accel = accel
         return accel
 
@@ -301,8 +314,10 @@ def quantize_from_gguf(model: nn.Module, gguf_path: str) -> dict[str, int]:
             # keeps about 14 bits of a row may serve it (on the 1.5B that kept top-1 agreement
             # with fp32 as it was, and the 5- and 8-row forwards 8% faster on an AVX2 EPYC).
             down = name.endswith(".mlp.down_proj")
-            setattr(parent, child, Int8WeightOnlyLinear(gguf_weight, bias, int8_activations=name == "lm_head" or down,
-                                                        activation_bits=14 if down else 8))
+            setattr(parent, child, Int8WeightOnlyLinear(
+                gguf_weight, bias, int8_activations=name == "lm_head" or down, activation_bits=14 if down else 8,
+                blocks=torch.from_numpy(np.ascontiguousarray(tensor.data, dtype=np.uint8).reshape(rows, -1).copy()),
+                ggml_type=int(tensor.tensor_type)))
             report["int8"] += 1
     if report["int8"] and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         # The LM head is its own int8 module now; the embedding keeps its rows.

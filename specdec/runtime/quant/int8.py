@@ -153,7 +153,7 @@ class Int8Linear(nn.Module):
                 codes, scales, bias = self._codes()
                 without_bias = (lambda x: torch.ops.quantized.linear_dynamic(x, self._packed, kernels.reduce_range())
                                 - (bias if bias is not None else 0))
-                accel = kernels.prepared("int8-channel", codes, scales, without_bias)
+                accel = kernels.prepared("int8-channel", (codes, scales), without_bias)
                 self._bias = bias
             self._accel = accel
         return accel
@@ -208,9 +208,14 @@ class Int8WeightOnlyLinear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8_activations: bool = False,
-                 activation_bits: int = 8):
+                 activation_bits: int = 8, blocks: torch.Tensor | None = None, ggml_type: int = 0):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        # The GGUF tensor's own bytes [N, bytes per row] and ggml type, where the weight came from
+        # one: the kernels that take its blocks as they are (kernels' "gguf-blocks") read these.
+        self.register_buffer("gguf_blocks", None if blocks is None else blocks.reshape(self.out_features, -1),
+                             persistent=False)
+        self.ggml_type = ggml_type
         codes, scales = per_row_int8(weight)
         self.register_buffer("qweight", codes, persistent=False)
         self.register_buffer("scales", scales.bfloat16(), persistent=False)
@@ -226,13 +231,19 @@ class Int8WeightOnlyLinear(nn.Module):
         return torch._weight_int8pack_mm(flat.bfloat16(), self.qweight, self.scales)
 
     def _accelerated(self) -> list[tuple[kernels.Backend, object]]:
-        """With int8_activations, the per-row int8 kernels for this layer's codes, each
-        checked against its own kernel on the first call; none where none installs."""
+        """The per-row kernels that take the GGUF's blocks as they are, and with
+        int8_activations those for this layer's codes, each checked against its own kernel
+        on the first call; none where none installs."""
         accel = self.__dict__.get("_accel")
         if accel is None:
-            accel = self._accel = kernels.prepared(
-                "int8-channel", self.qweight, self.scales.float(), self._weight_only, per_row=True,
-                activation_bits=self.activation_bits) if self.int8_activations else []
+            accel = []
+            if getattr(self, "gguf_blocks", None) is not None and kernels.usable("gguf-blocks", per_row=True):
+                accel += kernels.prepared("gguf-blocks", (self.gguf_blocks, self.ggml_type, self.in_features),
+                                          self._weight_only, per_row=True, in_features=self.in_features)
+            if self.int8_activations:
+                accel += kernels.prepared("int8-channel", (self.qweight, self.scales.float()), self._weight_only,
+                                          per_row=True, activation_bits=self.activation_bits)
+            self._accel = accel
         return accel
 
     def __getstate__(self):
