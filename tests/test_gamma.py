@@ -467,6 +467,23 @@ def test_with_nothing_drafted_one_token_is_decoded_where_lookups_pay_for_the_cal
     assert controller.decode_steps(16, looks_up=True) == 1
 
 
+def test_lookups_whose_rows_cost_what_they_keep_do_not_make_rounds_decode_one_token():
+    # Every row costs a step (a kernel whose cost grows with the rows): a lookup of 2 tokens
+    # keeping 1 costs as much verify time as it saves, so decoding a token a round for the
+    # next lookup only adds calls.
+    controller = GammaController(16, ControllerState(cost=CostModel.from_curves([22.0], FP32_CURVE)))
+    controller.state.cost.verify_curve.offset = 4.0
+    controller.gamma, controller.rounds_at_zero = 0, 0
+    for _ in range(60):
+        controller.observe(lookup_round(2, 1, match=6, verify_ms=FP32_CURVE[2] + 4.0))
+    controller.rounds_at_zero = 0
+    assert controller.decode_steps(16, looks_up=True) == 8
+    for _ in range(60):                                          # the same lookups keeping both tokens pay
+        controller.observe(lookup_round(2, 2, match=6, verify_ms=FP32_CURVE[2] + 4.0))
+    controller.rounds_at_zero = 0
+    assert controller.decode_steps(16, looks_up=True) == 1
+
+
 def test_plans_follow_the_curves_the_services_publish_again():
     priors = GammaPriors(cost=CostModel.from_curves([80.0], [160.0, 164.0, 168.0], 8.0))  # a busy warm-up
     running = priors.start(SamplingConfig())

@@ -75,7 +75,9 @@ class GammaController:
         self.rounds_at_zero = 0
         self.probing = False
         self.lookup_skips = [0] * len(MATCH_BUCKETS)     # lookups not taken since one was, per bucket
-        self.lookup_yield = 1.0  # EWMA: lookup tokens kept per round (a lookup each); optimistic until measured
+        # EWMA: lookup tokens kept per round (a lookup each), less their rows' verify cost in target
+        # steps; optimistic until measured
+        self.lookup_yield = 1.0
 
     def without_model(self) -> None:
         """The request goes on with free drafts alone: the model's γ is 0 for good."""
@@ -169,8 +171,9 @@ class GammaController:
 
     def decode_steps(self, chunk: int, looks_up: bool) -> int:
         """Target tokens to decode in a round that drafts nothing: one, so that the
-        next lookup comes after it, where lookups keep more tokens than a verifier
-        call costs beyond its forward (and no batch waits); else up to `chunk`, or
+        next lookup comes after it, where lookups keep more tokens (less what their
+        rows cost) than a verifier call costs beyond its forward (and no batch
+        waits); else up to `chunk`, or
         to the next probe, in one call."""
         chunk = max(1, min(chunk, self.steps_until_probe()))
         if looks_up and self.calls() <= LOAD_ALONE:
@@ -206,7 +209,12 @@ class GammaController:
                            draft_alone=round.draft_batch_calls <= LOAD_ALONE,
                            verify_alone=round.verify_batch_calls <= LOAD_ALONE, model_tokens=round.drafted_by(MODEL))
         lookup_drafted, lookup_accepted = round.drafted_by(NGRAM), round.accepted_by(NGRAM)
-        self.lookup_yield += 0.1 * (lookup_accepted - self.lookup_yield)
+        # What a lookup keeps, less what its rows cost the verifier beyond one step, in steps:
+        # where each row costs nearly a step (a kernel whose cost grows with the rows), a lookup
+        # keeping half its tokens gains nothing, and decoding a token a round for it loses the calls.
+        step = state.cost.verify_ms(0)
+        rows_cost = (state.cost.verify_ms(lookup_drafted) - step) / step if lookup_drafted and step > 0 else 0.0
+        self.lookup_yield += 0.1 * (lookup_accepted - rows_cost - self.lookup_yield)
         if lookup_drafted:
             state.lookup[match_bucket(round.lookup_match)].observe(lookup_drafted, lookup_accepted)
         # The model's drafts were judged only if every lookup token before them was kept.

@@ -153,9 +153,10 @@ class GgmlLinear:
                           for start in range(0, rows, CHUNK_ROWS)])
 
     def rows_alone(self, probe: torch.Tensor) -> bool:
-        """Whether each row of a chunk comes out as it does in a one-row call, bit for bit."""
-        together = self(probe[:CHUNK_ROWS])
-        return all(torch.equal(together[i], self(probe[i:i + 1])[0]) for i in range(together.shape[0]))
+        """Whether each row of a call of 2..CHUNK_ROWS rows comes out as it does in a one-row
+        call, bit for bit."""
+        alone = torch.cat([self(probe[i:i + 1]) for i in range(min(CHUNK_ROWS, probe.shape[0]))])
+        return all(torch.equal(self(probe[:rows]), alone[:rows]) for rows in range(2, alone.shape[0] + 1))
 
 
 _SELFTEST = """
