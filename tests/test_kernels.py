@@ -182,7 +182,7 @@ def test_a_per_layer_choice_serves_every_row_count_so_verification_matches_decod
     x = torch.randn(5, 32, generator=generator)
     one_at_a_time = torch.cat([head(x[i:i + 1]) for i in range(5)])   # decided here, at one row
     assert registry._CHOICE[("int8-wo", 64, 32, 0)] == "rowwise"
-    assert any("int8-wo 64 32 calls under 64 rows: rowwise" == line for line in registry.choices())
+    assert any("int8-wo 64 32 every call: rowwise" == line for line in registry.choices())
     assert torch.equal(head(x), one_at_a_time)   # 5 rows, where it is slow: still the same kernel, the same rows
 
 
@@ -274,7 +274,7 @@ def test_an_int8_weight_only_head_offered_int8_activations_takes_fbgemm_per_row_
     x = torch.randn(5, 64, generator=generator).bfloat16()
     out = head(x)
     assert torch.equal(out, torch.cat([head(x[r:r + 1]) for r in range(5)]))  # one kernel for every row count
-    assert any("calls under 64 rows" in line for line in registry.choices())
+    assert any("every call" in line for line in registry.choices())
 
 
 def test_a_layer_whose_input_carries_outliers_takes_only_backends_that_keep_enough_bits(registry):
@@ -312,23 +312,24 @@ def test_a_kernel_many_times_slower_than_the_fastest_is_timed_once_not_every_try
     assert registry._CHOICE[("k", 5)] in ("own", "close")
 
 
-def test_a_per_layer_choice_is_made_on_a_decode_sized_call_not_on_a_prefill_chunk(registry):
+def test_a_per_layer_choice_made_on_a_prefill_chunk_is_timed_on_one_row_and_serves_every_call(registry):
     # A layer's first call may be a 200-token prompt's prefill chunk on the kernel path: the
-    # kernel fastest there must not serve the decode steps, which are timed on their own.
-    def kernel(delay_many: float, delay_one: float):
-        def run():
-            time.sleep(delay_many if rows[0] >= kernels.PER_LAYER_ROWS else delay_one)
-            return torch.zeros(rows[0], 2)
-        return run
-    rows = [100]
-    calls = {"own": kernel(0.03, 0.0), "rowwise": kernel(0.0, 0.03)}
-    kernels.pick(("int4", 2, 8), rows[0], calls, per_layer=True)
-    assert registry._CHOICE == {("int4", 2, 8, 128): "rowwise"}
-    rows[0] = 1
-    kernels.pick(("int4", 2, 8), rows[0], calls, per_layer=True)
-    rows[0] = 5
-    kernels.pick(("int4", 2, 8), rows[0], calls, per_layer=True)
-    assert registry._CHOICE == {("int4", 2, 8, 128): "rowwise", ("int4", 2, 8, 0): "own"}
+    # kernel fastest at one row is chosen, and it serves every call after, 100 rows included
+    # (decode rows of many sessions gathered with prefill chunks into one kernel call).
+    def run(state, x):
+        time.sleep(0.04 if x.shape[0] >= 4 else 0)      # slow from 4 rows, the quicker at one
+        codes, scales = state
+        return x.float() @ (codes.float() * scales[:, None]).t()
+    registry.register(kernels.Backend("rowwise", "int8-channel", "torch", lambda c, s: (c, s), run, per_row=True))
+    generator = torch.Generator().manual_seed(10)
+    head = int8.Int8WeightOnlyLinear(torch.randn(64, 32, generator=generator), int8_activations=True)
+    own = head._weight_only
+    head._weight_only = lambda flat: time.sleep(0.02) or own(flat)
+    x = torch.randn(100, 32, generator=generator)
+    first = head._kernel(x.bfloat16())
+    assert registry._CHOICE == {("int8-wo", 64, 32, 0): "rowwise"}
+    assert torch.equal(first, torch.cat([head._kernel(x[i:i + 1].bfloat16()) for i in range(100)]))
+    assert registry._CHOICE == {("int8-wo", 64, 32, 0): "rowwise"}
 
 
 def test_a_backend_whose_selftest_fails_is_skipped_with_a_line(registry, caplog):
@@ -341,3 +342,24 @@ def test_a_backend_whose_selftest_fails_is_skipped_with_a_line(registry, caplog)
         assert kernels.usable("int8-channel") == []   # said once, remembered
     assert caplog.text.count("kernel backend crashes skipped") == 1
     assert "ended with code -4" in caplog.text
+
+
+def test_a_service_batching_many_sessions_times_the_choice_at_its_rows(registry, monkeypatch):
+    # --kernel-rows 8: the kernel quickest at one row but slow at eight is not chosen,
+    # though the first call is a decode step's one row.
+    monkeypatch.setattr(kernels, "_CHOICE_ROWS", [1])
+    kernels.choose_at(8)
+
+    def run(state, x):
+        time.sleep(0.04 if x.shape[0] >= 4 else 0)
+        codes, scales = state
+        return x.float() @ (codes.float() * scales[:, None]).t()
+    registry.register(kernels.Backend("rowwise", "int8-channel", "torch", lambda c, s: (c, s), run, per_row=True))
+    generator = torch.Generator().manual_seed(9)
+    head = int8.Int8WeightOnlyLinear(torch.randn(64, 32, generator=generator), int8_activations=True)
+    own = head._weight_only
+    head._weight_only = lambda flat: time.sleep(0.02) or own(flat)
+    head(torch.randn(1, 32, generator=generator))
+    assert registry._CHOICE[("int8-wo", 64, 32, 0)] == "torch-int8-wo"
+    with pytest.raises(ValueError, match="--kernel-rows must be at least 1"):
+        kernels.choose_at(0)

@@ -33,9 +33,20 @@ TRIES = 3               # timed calls of each kernel before a bucket's choice; t
 # or else a bucket's first request, pays: on an AVX2 CPU emulated bf16 matmuls are 4x its
 # int8 kernels.
 HOPELESS = 3.0
-# Calls under this many rows share a per-layer choice (`pick(..., per_layer=True)`): decode
-# and verification calls, which keep logits (dense_rows.MIN_ROWS: they never leave the kernel).
+# Calls under this many rows that keep logits (decode and verification) never leave a
+# layer's kernel for the dense path (dense_rows.MIN_ROWS).
 PER_LAYER_ROWS = 64
+# The rows a per-layer choice is timed at (`choose_at`, the services' --kernel-rows): one, a
+# decode step's call, by default; a service that batches many sessions (8 clients: forwards of
+# 8 rows or more) is served better by a choice timed at its usual batch.
+_CHOICE_ROWS = [1]
+
+
+def choose_at(rows: int) -> None:
+    """Time every per-layer choice made from now on at `rows` rows (at least 1)."""
+    if rows < 1:
+        raise ValueError(f"--kernel-rows must be at least 1, not {rows}")
+    _CHOICE_ROWS[0] = rows
 CHECK_TOLERANCE = 0.03  # a backend's output within this relative error of torch's on the layer, or it is skipped
 
 
@@ -189,16 +200,16 @@ def pick(key: tuple, rows: int, kernels: dict[str, Callable[[], torch.Tensor]],
     layer's own (torch's): an accelerated one that raises is dropped for the
     bucket, with a line, and the call goes on without it. One kernel: it runs.
 
-    per_layer: one choice for every call under PER_LAYER_ROWS rows (made on the first
-    of them), for a layer whose kernels round differently: a verification's rows must
-    get what one decode step at a time would, so the kernel may not change with the
-    rows. A call of more rows (a prefill chunk on the kernel path, which keeps no
-    logits) is timed per bucket as usual: were the first call a 200-token prompt's
-    prefill, a choice made on it would serve decoding with the kernel fastest at 200 rows."""
+    per_layer: one choice for every row count (made on the first call), for a
+    layer whose kernels round differently: a verification's rows must get what
+    one decode step at a time would, so the kernel may not change with the rows,
+    nor with what else shares a batched forward's kernel call (decode rows of many
+    sessions gathered with prefill chunks reach 64 rows and more).
+    `pick_per_layer` times that first choice on a decode-sized call."""
     default = next(iter(kernels))
     if len(kernels) == 1:
         return kernels[default]()
-    choice_key = (*key, 0 if per_layer and rows < PER_LAYER_ROWS else bucket(rows))
+    choice_key = (*key, 0 if per_layer else bucket(rows))
     name = _CHOICE.get(choice_key)
     if name in kernels:
         if name == default:
@@ -238,26 +249,27 @@ def pick(key: tuple, rows: int, kernels: dict[str, Callable[[], torch.Tensor]],
 def pick_per_layer(key: tuple, x: torch.Tensor, own_name: str, own: Callable[[torch.Tensor], torch.Tensor],
                    accel: list[tuple[Backend, object]]) -> torch.Tensor:
     """own(x), or one of the per-row kernels `accel` ([(backend, its weight)]) for a layer
-    whose rows must come out the same in any call: one choice for every call under
-    PER_LAYER_ROWS rows (`pick(..., per_layer=True)`), made on the first of them and timed
-    on one row of it, a decode step's call (the one every request makes most), whatever
-    rows that first call has (a warm-up's or a short prompt's few rows would otherwise
-    decide: at 5 to 49 rows on the AVX2 EPYC they chose kernels that decode 1.5x slower);
-    the output in x's dtype."""
+    whose rows must come out the same in any call: one choice for every call
+    (`pick(..., per_layer=True)`), made on the first and timed at `choose_at`'s rows
+    (one by default, a decode step's call: the one a request makes most), whatever rows
+    that first call has (a 200-token prompt's prefill chunk, or a warm-up's few rows,
+    would otherwise decide: on the AVX2 EPYC they chose kernels that decode 1.5x
+    slower); the output in x's dtype."""
     if not accel:
         return own(x)
 
     def calls(x: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
         return {own_name: lambda: own(x), **{b.name: (lambda b=b, s=s: b.run(s, x).to(x.dtype)) for b, s in accel}}
-    rows = x.shape[0]
-    if 1 < rows < PER_LAYER_ROWS and (*key, 0) not in _CHOICE:
-        pick(key, 1, calls(x[:1]), per_layer=True)
+    rows, timed_rows = x.shape[0], _CHOICE_ROWS[0]
+    if rows != timed_rows and (*key, 0) not in _CHOICE:
+        probe = x[torch.arange(timed_rows) % rows]      # the first call's rows, as many as the choice is timed at
+        pick(key, timed_rows, calls(probe), per_layer=True)
     return pick(key, rows, calls(x), per_layer=True)
 
 
 def choices() -> list[str]:
     """What `pick` chose so far, one line per layer shape and row bucket."""
-    return [f"{' '.join(str(k) for k in key[:-1])} {f'rows<={key[-1]}' if key[-1] else f'calls under {PER_LAYER_ROWS} rows'}: {name}"
+    return [f"{' '.join(str(k) for k in key[:-1])} {f'rows<={key[-1]}' if key[-1] else 'every call'}: {name}"
             for key, name in sorted(
         _CHOICE.items(), key=lambda item: (tuple(str(k) for k in item[0][:-1]), item[0][-1]))]
 

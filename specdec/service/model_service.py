@@ -270,12 +270,13 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
                 cost_curve_rows: int = 0, kv_cache_mb: float = 0.0, prefill_chunk: int = PREFILL_CHUNK,
                 max_batch_rows: int = MAX_BATCH_ROWS, cost_curve: CostCurve | None = None,
                 auth_token: str | None = None, prefill_weights: str = "dense",
-                prefix_cache: str = "on") -> RunningServer:
+                prefix_cache: str = "on", kernel_rows: int = 1) -> RunningServer:
     """Start a model service; it reports SERVING only once the model is warm.
     `cost_curve`: publish this curve instead of timing one at warm-up (None: the
     one the environment pins, else timed over `cost_curve_rows` rows, and with it the
     prefill paths of every chunk's row bucket)."""
     refuse_if_exposed(service_name, host, tls, uds, auth_token)
+    kernels.choose_at(kernel_rows)
     if prefill_chunk < 1 or max_batch_rows < 1:
         raise ValueError(f"--prefill-chunk ({prefill_chunk}) and --max-batch-rows ({max_batch_rows}) must be >= 1")
     if prefill_weights == "dense":  # before the KV pool takes its share of what memory is left

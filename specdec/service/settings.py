@@ -67,6 +67,11 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
                                   "prefix and cache salt (a chat's next turn, a shared system prompt), within the KV "
                                   "pool: given back, least recently used first, when sessions need the room"),
       up=True),
+    S("--kernel-rows", dict(type=int, default=1,
+                            help="the rows a layer's one kernel for decode and verification calls is timed at, "
+                                 "where it has several (llama.cpp's, fbgemm's, torch's): 1 favours one client's "
+                                 "tokens per second; a service batching many sessions is served better by its "
+                                 "usual rows a forward (8 clients: 8 or more)"), up=True),
     S("--max-batch-rows", dict(type=int, default=512,
                                help="most rows in one batched forward (within it, the cost curve sizes each batch)"),
       up=True),
