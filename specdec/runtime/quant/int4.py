@@ -58,6 +58,11 @@ def q4k_codes(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.nda
     return codes, scale.reshape(rows, groups), minimum.reshape(rows, groups)
 
 
+def gguf_rows(raw: np.ndarray, rows: int) -> torch.Tensor:
+    """A GGUF tensor's bytes as uint8 [rows, bytes per row], copied out of the file's mapping."""
+    return torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, -1).copy())
+
+
 def unpack_codes(flat: torch.Tensor, n: int, k: int, start: int, end: int, block: int,
                  halves: bool) -> torch.Tensor:
     """Rows start..end ([end - start, K] uint8) of an [N, K] code matrix packed by
@@ -139,8 +144,7 @@ class Int4Linear(nn.Module):
                  int8_activations: bool = False) -> "Int4Linear":
         codes, scale, minimum = q4k_codes(raw, rows, cols)
         return cls(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(minimum), bias,
-                   int8_activations=int8_activations,
-                   blocks=torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, -1).copy()))
+                   int8_activations=int8_activations, blocks=gguf_rows(raw, rows))
 
     @staticmethod
     def concatenable(parts: list) -> bool:
@@ -316,8 +320,7 @@ def quantize_from_gguf(model: nn.Module, gguf_path: str) -> dict[str, int]:
             down = name.endswith(".mlp.down_proj")
             setattr(parent, child, Int8WeightOnlyLinear(
                 gguf_weight, bias, int8_activations=name == "lm_head" or down, activation_bits=14 if down else 8,
-                blocks=torch.from_numpy(np.ascontiguousarray(tensor.data, dtype=np.uint8).reshape(rows, -1).copy()),
-                ggml_type=int(tensor.tensor_type)))
+                blocks=gguf_rows(tensor.data, rows), ggml_type=int(tensor.tensor_type)))
             report["int8"] += 1
     if report["int8"] and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         # The LM head is its own int8 module now; the embedding keeps its rows.
