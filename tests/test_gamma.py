@@ -451,20 +451,23 @@ def test_without_a_model_only_lookups_draft():
     assert controller.plan(Lookup((5, 6), 9), limit=100)[MODEL] == 0
 
 
+def steps_after(controller: GammaController, round: RoundRecord, times: int = 60) -> int:
+    """What a round that drafts nothing decodes, after `times` such lookup rounds."""
+    for _ in range(times):
+        controller.observe(round)
+    controller.rounds_at_zero = 0
+    return controller.decode_steps(16, looks_up=True)
+
+
 def test_with_nothing_drafted_one_token_is_decoded_where_lookups_pay_for_the_call():
     controller = GammaController(16, ControllerState(cost=CostModel.from_curves([22.0], MEASURED_INT4)))
     controller.state.cost.verify_curve.offset = 4.0  # ms a call costs beyond its forward
     controller.gamma, controller.rounds_at_zero = 0, 0
     assert controller.decode_steps(16, looks_up=True) == 1      # optimistic until lookups are measured
     assert controller.decode_steps(16, looks_up=False) == 8     # no lookups: to the next probe in one call
-    for _ in range(60):                                          # lookups that keep nothing
-        controller.observe(lookup_round(1, 0, match=1, verify_ms=MEASURED_INT4[1] + 4.0))
-    controller.rounds_at_zero = 0
-    assert controller.decode_steps(16, looks_up=True) == 8
-    for _ in range(60):                                          # lookups that keep a token a round
-        controller.observe(lookup_round(2, 1, match=6, verify_ms=MEASURED_INT4[2] + 4.0))
-    controller.rounds_at_zero = 0
-    assert controller.decode_steps(16, looks_up=True) == 1
+    # Lookups that keep nothing, then lookups that keep a token a round.
+    assert steps_after(controller, lookup_round(1, 0, match=1, verify_ms=MEASURED_INT4[1] + 4.0)) == 8
+    assert steps_after(controller, lookup_round(2, 1, match=6, verify_ms=MEASURED_INT4[2] + 4.0)) == 1
 
 
 def test_lookups_whose_rows_cost_what_they_keep_do_not_make_rounds_decode_one_token():
@@ -474,14 +477,9 @@ def test_lookups_whose_rows_cost_what_they_keep_do_not_make_rounds_decode_one_to
     controller = GammaController(16, ControllerState(cost=CostModel.from_curves([22.0], FP32_CURVE)))
     controller.state.cost.verify_curve.offset = 4.0
     controller.gamma, controller.rounds_at_zero = 0, 0
-    for _ in range(60):
-        controller.observe(lookup_round(2, 1, match=6, verify_ms=FP32_CURVE[2] + 4.0))
-    controller.rounds_at_zero = 0
-    assert controller.decode_steps(16, looks_up=True) == 8
-    for _ in range(60):                                          # the same lookups keeping both tokens pay
-        controller.observe(lookup_round(2, 2, match=6, verify_ms=FP32_CURVE[2] + 4.0))
-    controller.rounds_at_zero = 0
-    assert controller.decode_steps(16, looks_up=True) == 1
+    assert steps_after(controller, lookup_round(2, 1, match=6, verify_ms=FP32_CURVE[2] + 4.0)) == 8
+    # The same lookups keeping both tokens pay.
+    assert steps_after(controller, lookup_round(2, 2, match=6, verify_ms=FP32_CURVE[2] + 4.0)) == 1
 
 
 def test_plans_follow_the_curves_the_services_publish_again():

@@ -186,17 +186,24 @@ def test_a_per_layer_choice_serves_every_row_count_so_verification_matches_decod
     assert torch.equal(head(x), one_at_a_time)   # 5 rows, where it is slow: still the same kernel, the same rows
 
 
-def test_a_per_layer_choice_is_timed_on_one_row_whatever_rows_its_first_call_has(registry):
-    # A warm-up's or a short prompt's few rows may come first: the choice is still a decode step's.
+def quick_at_one_row_head(registry, seed: int) -> tuple[int8.Int8WeightOnlyLinear, torch.Generator]:
+    """A head offered "rowwise", the quicker kernel at one row and the slower from 4 rows,
+    against its own kernel, made the slower at one row; and the generator that made it."""
     def run(state, x):
-        time.sleep(0.04 if x.shape[0] >= 4 else 0)      # slow from 4 rows, the quicker at one
+        time.sleep(0.04 if x.shape[0] >= 4 else 0)
         codes, scales = state
         return x.float() @ (codes.float() * scales[:, None]).t()
     registry.register(kernels.Backend("rowwise", "int8-channel", "torch", lambda c, s: (c, s), run, per_row=True))
-    generator = torch.Generator().manual_seed(8)
+    generator = torch.Generator().manual_seed(seed)
     head = int8.Int8WeightOnlyLinear(torch.randn(64, 32, generator=generator), int8_activations=True)
     own = head._weight_only
     head._weight_only = lambda flat: time.sleep(0.02) or own(flat)
+    return head, generator
+
+
+def test_a_per_layer_choice_is_timed_on_one_row_whatever_rows_its_first_call_has(registry):
+    # A warm-up's or a short prompt's few rows may come first: the choice is still a decode step's.
+    head, generator = quick_at_one_row_head(registry, seed=8)
     head(torch.randn(5, 32, generator=generator))      # the first call: 5 rows
     assert registry._CHOICE[("int8-wo", 64, 32, 0)] == "rowwise"
 
@@ -316,15 +323,7 @@ def test_a_per_layer_choice_made_on_a_prefill_chunk_is_timed_on_one_row_and_serv
     # A layer's first call may be a 200-token prompt's prefill chunk on the kernel path: the
     # kernel fastest at one row is chosen, and it serves every call after, 100 rows included
     # (decode rows of many sessions gathered with prefill chunks into one kernel call).
-    def run(state, x):
-        time.sleep(0.04 if x.shape[0] >= 4 else 0)      # slow from 4 rows, the quicker at one
-        codes, scales = state
-        return x.float() @ (codes.float() * scales[:, None]).t()
-    registry.register(kernels.Backend("rowwise", "int8-channel", "torch", lambda c, s: (c, s), run, per_row=True))
-    generator = torch.Generator().manual_seed(10)
-    head = int8.Int8WeightOnlyLinear(torch.randn(64, 32, generator=generator), int8_activations=True)
-    own = head._weight_only
-    head._weight_only = lambda flat: time.sleep(0.02) or own(flat)
+    head, generator = quick_at_one_row_head(registry, seed=10)
     x = torch.randn(100, 32, generator=generator)
     first = head._kernel(x.bfloat16())
     assert registry._CHOICE == {("int8-wo", 64, 32, 0): "rowwise"}
@@ -349,16 +348,7 @@ def test_a_service_batching_many_sessions_times_the_choice_at_its_rows(registry,
     # though the first call is a decode step's one row.
     monkeypatch.setattr(kernels, "_CHOICE_ROWS", [1])
     kernels.choose_at(8)
-
-    def run(state, x):
-        time.sleep(0.04 if x.shape[0] >= 4 else 0)
-        codes, scales = state
-        return x.float() @ (codes.float() * scales[:, None]).t()
-    registry.register(kernels.Backend("rowwise", "int8-channel", "torch", lambda c, s: (c, s), run, per_row=True))
-    generator = torch.Generator().manual_seed(9)
-    head = int8.Int8WeightOnlyLinear(torch.randn(64, 32, generator=generator), int8_activations=True)
-    own = head._weight_only
-    head._weight_only = lambda flat: time.sleep(0.02) or own(flat)
+    head, generator = quick_at_one_row_head(registry, seed=9)
     head(torch.randn(1, 32, generator=generator))
     assert registry._CHOICE[("int8-wo", 64, 32, 0)] == "torch-int8-wo"
     with pytest.raises(ValueError, match="--kernel-rows must be at least 1"):
