@@ -296,7 +296,7 @@ def main(argv=None) -> int:
             try:
                 first = build(weight)
                 y = torch.as_tensor(call(first, x)).float()
-                size = bytes_of(first) or weight.numel() // 2  # a session holds its 4-bit weight
+                size = bytes_of(first)
                 copies = min(max(1, -(-min(4 * l3, ROTATE_MAX) // size)), 64) if size else 1
                 states = [first] + [build(weight) for _ in range(copies - 1)]
             except Exception as exc:  # not installed, or not for this CPU: skipped, said once

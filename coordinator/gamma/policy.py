@@ -212,11 +212,12 @@ class GammaController:
         # What a lookup keeps, less what its rows cost the verifier beyond one step, in steps:
         # where each row costs nearly a step (a kernel whose cost grows with the rows), a lookup
         # keeping half its tokens gains nothing, and decoding a token a round for it loses the calls.
-        step = state.cost.verify_ms(0)
-        rows_cost = (state.cost.verify_ms(lookup_drafted) - step) / step if lookup_drafted and step > 0 else 0.0
-        self.lookup_yield += 0.1 * (lookup_accepted - rows_cost - self.lookup_yield)
+        rows_cost = 0.0
         if lookup_drafted:
+            step = state.cost.verify_ms(0)
+            rows_cost = (state.cost.verify_ms(lookup_drafted) - step) / step if step > 0 else 0.0
             state.lookup[match_bucket(round.lookup_match)].observe(lookup_drafted, lookup_accepted)
+        self.lookup_yield += 0.1 * (lookup_accepted - rows_cost - self.lookup_yield)
         # The model's drafts were judged only if every lookup token before them was kept.
         if round.judged_from(MODEL):
             state.acceptance.observe(round.drafted_by(MODEL), round.accepted_by(MODEL))

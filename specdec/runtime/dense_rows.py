@@ -43,7 +43,7 @@ from torch import nn
 from specdec.runtime import kernels
 
 log = logging.getLogger(__name__)
-MIN_ROWS = kernels.PER_LAYER_ROWS  # fewer rows in a call that keeps logits: always the kernel (decode and verify calls)
+MIN_ROWS = 64  # fewer rows in a call that keeps logits: always the kernel (decode and verify calls)
 MIN_PREFILL_ROWS = 2  # one row: the kernel (its fastest path; a 1-row dense matmul runs oneDNN's GEMV, whose
 #                       bits differ from the same row's in a matmul of more rows)
 CHUNK_ROWS = 512  # rows unpacked at a time: a few MB of fp32, which stays in cache

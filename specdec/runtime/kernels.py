@@ -33,20 +33,6 @@ TRIES = 3               # timed calls of each kernel before a bucket's choice; t
 # or else a bucket's first request, pays: on an AVX2 CPU emulated bf16 matmuls are 4x its
 # int8 kernels.
 HOPELESS = 3.0
-# Calls under this many rows that keep logits (decode and verification) never leave a
-# layer's kernel for the dense path (dense_rows.MIN_ROWS).
-PER_LAYER_ROWS = 64
-# The rows a per-layer choice is timed at (`choose_at`, the services' --kernel-rows): one, a
-# decode step's call, by default; a service that batches many sessions (8 clients: forwards of
-# 8 rows or more) is served better by a choice timed at its usual batch.
-_CHOICE_ROWS = [1]
-
-
-def choose_at(rows: int) -> None:
-    """Time every per-layer choice made from now on at `rows` rows (at least 1)."""
-    if rows < 1:
-        raise ValueError(f"--kernel-rows must be at least 1, not {rows}")
-    _CHOICE_ROWS[0] = rows
 CHECK_TOLERANCE = 0.03  # a backend's output within this relative error of torch's on the layer, or it is skipped
 
 
@@ -246,6 +232,19 @@ def pick(key: tuple, rows: int, kernels: dict[str, Callable[[], torch.Tensor]],
     return outputs[name]
 
 
+# The rows a per-layer choice is timed at (`choose_at`, the services' --kernel-rows): one, a
+# decode step's call, by default; a service that batches many sessions (8 clients: forwards of
+# 8 rows or more) is served better by a choice timed at its usual batch.
+_CHOICE_ROWS = [1]
+
+
+def choose_at(rows: int) -> None:
+    """Time every per-layer choice made from now on at `rows` rows (at least 1)."""
+    if rows < 1:
+        raise ValueError(f"--kernel-rows must be at least 1, not {rows}")
+    _CHOICE_ROWS[0] = rows
+
+
 def pick_per_layer(key: tuple, x: torch.Tensor, own_name: str, own: Callable[[torch.Tensor], torch.Tensor],
                    accel: list[tuple[Backend, object]]) -> torch.Tensor:
     """own(x), or one of the per-row kernels `accel` ([(backend, its weight)]) for a layer
@@ -372,14 +371,14 @@ def _ggml_run(linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x)
 
 
-# llama.cpp's own kernels (ggml, shipped by llama-cpp-python: `pip install ".[llama-cpp]"`) over the
-# GGUF's blocks as they are, activations quantized per block of a row (specdec.runtime.ggml). On an
-# AVX2 EPYC they ran the 1.5B's Q4_K and Q6_K layers at one row in about a third of torch's int4
-# kernel's time and half of fbgemm's; their cost grows with the rows as torch's int4 kernel's does.
 def _ggml_selftest() -> None:
     from specdec.runtime import ggml
     ggml.selftest()
 
 
+# llama.cpp's own kernels (ggml, shipped by llama-cpp-python: `pip install ".[llama-cpp]"`) over the
+# GGUF's blocks as they are, activations quantized per block of a row (specdec.runtime.ggml). On an
+# AVX2 EPYC they ran the 1.5B's Q4_K and Q6_K layers at one row in about a third of torch's int4
+# kernel's time and half of fbgemm's; their cost grows with the rows as torch's int4 kernel's does.
 register(Backend("ggml", "gguf-blocks", "llama_cpp", _ggml_prepare, _ggml_run, per_row=True,
                  selftest=_ggml_selftest))

@@ -224,7 +224,7 @@ class Int4Linear(nn.Module):
         if accel is None:
             reference = lambda x: self._int4(x.to(self.dtype))  # noqa: E731
             accel = []
-            if self.gguf_blocks is not None and kernels.usable("gguf-blocks", per_row=True):
+            if self.gguf_blocks is not None:
                 accel += kernels.prepared("gguf-blocks", (self.gguf_blocks, int(GGMLQuantizationType.Q4_K),
                                                           self.in_features), reference, per_row=True,
                                           in_features=self.in_features)

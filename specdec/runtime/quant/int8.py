@@ -237,7 +237,7 @@ class Int8WeightOnlyLinear(nn.Module):
         accel = self.__dict__.get("_accel")
         if accel is None:
             accel = []
-            if self.gguf_blocks is not None and kernels.usable("gguf-blocks", per_row=True):
+            if self.gguf_blocks is not None:
                 accel += kernels.prepared("gguf-blocks", (self.gguf_blocks, self.ggml_type, self.in_features),
                                           self._weight_only, per_row=True, in_features=self.in_features)
             if self.int8_activations:
