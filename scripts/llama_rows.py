@@ -2,8 +2,8 @@
 """What a pair's forwards cost on llama.cpp itself, by rows: the bound a draft step
 and a verification meet on this CPU with llama.cpp's own kernels and nothing of this
 service around them. For each model (a registry name or a .gguf path), one forward
-of k new tokens after a prefix, k = --rows, median over --repeats interleaved rounds,
-and the prefix's prefill per token. Prints a Markdown table and writes JSON.
+of k new tokens after a prefix, k = --rows, the median of 3 calls in each of --repeats
+interleaved rounds, and the prefix's prefill per token, warm. Prints a Markdown table and writes JSON.
 
   python scripts/llama_rows.py [--models qwen2.5-coder-0.5b-instruct,qwen2.5-coder-1.5b-instruct]
 
@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import pathlib
 import statistics
 import sys
 import time
 
 from specdec.runtime.models import gguf_source
 from specdec.weights import registry
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from kernel_bench import cpu  # noqa: E402
 
 
 def _gguf(name: str) -> str:
@@ -78,7 +81,7 @@ def main() -> int:
         print(f"\none-row step of {results[0]['model']} / {results[-1]['model']}: "
               f"{results[0]['ms_by_rows'][rows[0]] / results[-1]['ms_by_rows'][rows[0]]:.2f}")
     with open(args.out, "w") as f:
-        json.dump({"machine": platform.processor() or platform.machine(), "threads": args.threads,
+        json.dump({"machine": cpu(), "threads": args.threads,
                    "prefix": args.prefix, "results": results}, f, indent=2)
     print(f"wrote {args.out}")
     return 0
