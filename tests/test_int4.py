@@ -114,16 +114,32 @@ def test_q4k_linears_go_int4_others_int8_each_checked_first(tmp_path):
     assert torch.allclose(layer.mlp.down_proj(h), h @ down_weight.t(), rtol=0.03, atol=0.03 * h.abs().max() * 8)
 
 
-def test_concat_computes_the_parts_side_by_side_and_the_parts_still_work():
+def test_concat_computes_the_parts_side_by_side_and_the_parts_still_work(monkeypatch):
+    from specdec.runtime import kernels
+
     parts = [Int4Linear.from_q4k(random_q4k(rows, 256, seed=rows), rows, 256, torch.randn(rows))
              for rows in (64, 128, 32)]
     assert not Int4Linear.concatenable([parts[2], parts[0]])  # a partial 64-row block only last
     x = torch.randn(5, 256)
-    separate = [p(x) for p in parts]
+    # Each layer shape chooses its kernel by timing on its first call, so a fused layer and
+    # its parts could run different kernels, whose bits differ: each kernel this machine
+    # offers the layers is pinned for all of them in turn, and compared under it.
+    offered = ["torch-int4", *(b.name for b, _ in parts[0]._accelerated())]
+
+    def pinned(name: str, layers) -> None:
+        monkeypatch.setattr(kernels, "_CHOICE", {("int4", layer.out_features, 256, 0): name for layer in layers})
+
+    separate = {}
+    for name in offered:
+        pinned(name, parts)
+        separate[name] = [p(x) for p in parts]
     fused = Int4Linear.concat(parts)
-    assert torch.equal(fused(x), torch.cat(separate, dim=-1))
-    assert all(torch.equal(p(x), s) for p, s in zip(parts, separate))  # now views into the fused buffers
     assert all(p.packed.untyped_storage().data_ptr() == fused.packed.untyped_storage().data_ptr() for p in parts)
+    for name in offered:
+        pinned(name, [fused, *parts])
+        assert torch.equal(fused(x), torch.cat(separate[name], dim=-1)), name
+        assert all(torch.equal(p(x), s) for p, s in zip(parts, separate[name])), name  # now views into fused
+        assert set(kernels._CHOICE.values()) == {name}   # none fell back to another kernel
 
 
 def test_int4_needs_a_gguf_source_and_says_so():
