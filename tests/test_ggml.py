@@ -59,6 +59,10 @@ def test_each_row_comes_out_alone_in_calls_of_any_rows():
     one_at_a_time = torch.cat([linear(x[i:i + 1]) for i in range(11)])
     for count in (2, 5, 8, 11):   # past CHUNK_ROWS a call runs in chunks, and 8 rows is ggml's other path
         assert torch.equal(linear(x[:count]), one_at_a_time[:count])
+    # A bf16 caller's rows go in and come out in bf16: the fp32 product, rounded once.
+    half = x.bfloat16()
+    got = linear(half, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, linear(half.float()).bfloat16())
 
 
 def test_unaligned_blocks_are_copied_to_aligned_memory():

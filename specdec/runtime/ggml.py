@@ -103,12 +103,12 @@ class _Graph:
                 raise RuntimeError("ggml could not place a tensor in this process's memory")
         weakref.finalize(self, _release, self.ctx, list(self.buffers))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         g = lib()
-        self.x.copy_(x)
+        self.x.copy_(x)  # converted on the way in: x may be bf16
         if g.compute(g.backend, self.graph) != 0:
             raise RuntimeError("ggml's graph compute failed")
-        return self.y.clone()
+        return self.y.to(dtype, copy=True)  # out of the shared buffer, in the caller's dtype in one pass
 
 
 def _release(ctx, buffers) -> None:
@@ -120,7 +120,8 @@ def _release(ctx, buffers) -> None:
 
 class GgmlLinear:
     """A GGUF tensor's blocks (uint8 [N, bytes per row], of ggml type `ggml_type`) as a
-    matmul: __call__(x [M, K]) -> [M, N] fp32."""
+    matmul: __call__(x [M, K]) -> [M, N], fp32 unless `dtype` says otherwise (ggml computes
+    in fp32 either way; a decode step's few rows convert once, on the copy out)."""
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int):
         assert blocks.dtype == torch.uint8 and blocks.dim() == 2, (blocks.dtype, blocks.shape)
@@ -139,17 +140,16 @@ class GgmlLinear:
             graph = self._graphs[rows] = _Graph(self, rows)
         return graph
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         g = lib()
         threads = torch.get_num_threads()
         if g.threads != threads:
             g.set_threads(g.backend, threads)
             g.threads = threads
-        x = x.float()
         rows = x.shape[0]
         if rows <= CHUNK_ROWS:
-            return self._graph(rows)(x)
-        return torch.cat([self._graph(min(CHUNK_ROWS, rows - start))(x[start:start + CHUNK_ROWS])
+            return self._graph(rows)(x, dtype)
+        return torch.cat([self._graph(min(CHUNK_ROWS, rows - start))(x[start:start + CHUNK_ROWS], dtype)
                           for start in range(0, rows, CHUNK_ROWS)])
 
     def rows_alone(self, probe: torch.Tensor) -> bool:

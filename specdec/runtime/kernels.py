@@ -368,7 +368,7 @@ def _ggml_prepare(blocks: torch.Tensor, ggml_type: int, in_features: int):
 
 
 def _ggml_run(linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x)
+    return linear(x, x.dtype)
 
 
 def _ggml_selftest() -> None:
