@@ -43,6 +43,7 @@ class _Lib:
         folder = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
         base = ctypes.CDLL(os.path.join(folder, "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
         cpu = ctypes.CDLL(os.path.join(folder, "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+        self.base, self.cpu = base, cpu  # for specdec.runtime.ggml_forward's own bindings
         p, size, i64, status = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int
 
         def bind(lib, name, args, result=None):
@@ -79,7 +80,9 @@ _lock = threading.Lock()
 def _buffer(rows: int, width: int) -> torch.Tensor:
     # One x and one y per shape for every layer: a process's forwards run one at a time
     # (specdec.runtime.torch_thread), and each call copies its output out before the next.
-    with _lock:
+    # Made outside inference mode whoever asks first: an inference tensor may not be
+    # written by a call outside it (a test's, a script's).
+    with _lock, torch.inference_mode(False):
         return _scratch.setdefault((rows, width), torch.zeros(rows, width))
 
 

@@ -245,6 +245,11 @@ def choose_at(rows: int) -> None:
     _CHOICE_ROWS[0] = rows
 
 
+def choice_rows() -> int:
+    """The rows per-layer choices are timed at (`choose_at`)."""
+    return _CHOICE_ROWS[0]
+
+
 def pick_per_layer(key: tuple, x: torch.Tensor, own_name: str, own: Callable[[torch.Tensor], torch.Tensor],
                    accel: list[tuple[Backend, object]]) -> torch.Tensor:
     """own(x), or one of the per-row kernels `accel` ([(backend, its weight)]) for a layer

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.runtime import dense_rows
+from specdec.runtime import dense_rows, ggml_forward
 from specdec.runtime.quant.base import fuse
 from specdec.runtime.kv_pool import KVPool
 
@@ -233,7 +233,7 @@ class LeanForward:
     def __init__(self, model: nn.Module):
         reason = supports(model)
         assert reason is None, reason
-        config = model.config
+        config = self.config = model.config
         self.layers = [_Layer(layer) for layer in model.model.layers]
         self.embed = model.model.embed_tokens
         self.norm = model.model.norm
@@ -243,6 +243,7 @@ class LeanForward:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.dtype = self.embed.weight.dtype
+        self._graph_choice: ggml_forward.GraphForward | bool | None = None   # None: not chosen yet
 
     def linears(self) -> list[nn.Module]:
         """Every layer's projections as the forward calls them (not the LM head, which
@@ -284,7 +285,18 @@ class LeanForward:
             assert ids.ndim == 1 and ids.shape[0] > 0 and 0 <= keep_last <= ids.shape[0], (ids.shape, keep_last)
         lengths = [cache.length for _, cache, _ in items]
         try:
-            return self._batch(items)
+            graph = self._graph()
+            on_graph = [graph is not None and ggml_forward.on_graph(ids.shape[0], keep) for ids, _, keep in items]
+            if not any(on_graph):
+                return self._batch(items)
+            # Decode and verify calls on the ggml graph, the others (prefill chunks) beside them on torch's.
+            out: list[torch.Tensor | None] = [None] * len(items)
+            for graphed, run in ((False, self._batch), (True, lambda part: ggml_forward.run_items(graph, part))):
+                where = [j for j, g in enumerate(on_graph) if g == graphed]
+                if where:
+                    for j, logits in zip(where, run([items[j] for j in where])):
+                        out[j] = logits
+            return out
         except BaseException:
             # A forward that fails (out of memory, a kernel's error) leaves every cache
             # at the length it had: the KV written past it is never read, and a rerun
@@ -292,6 +304,12 @@ class LeanForward:
             for (_, cache, _), length in zip(items, lengths):
                 cache.length = length
             raise
+
+    def _graph(self) -> "ggml_forward.GraphForward | None":
+        """The ggml graph that runs decode and verify calls, where it was chosen (on the first call)."""
+        if self._graph_choice is None:
+            self._graph_choice = ggml_forward.choose(self) or False
+        return self._graph_choice or None
 
     def _batch(self, items: list[tuple[torch.Tensor, StaticKVCache, int]]) -> list[torch.Tensor]:
         spans = []                                                                       # (rows, start, end)
