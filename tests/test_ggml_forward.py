@@ -2,7 +2,7 @@
 GGUF's blocks, where llama-cpp-python installs. A tiny random Qwen2 built from a GGUF in the
 test: the graph computes the model (against its fp32 self), a verification's rows are its
 decode steps bit for bit, a call's logits do not depend on what else shares the forward, and
-a model it does not cover, or a pinned choice, keeps torch's forward."""
+a model it does not cover, a pinned choice, or a graph that fails its check keeps torch's forward."""
 from __future__ import annotations
 
 import numpy as np
@@ -146,3 +146,27 @@ def test_models_it_does_not_cover_and_a_pinned_choice_keep_torchs_forward(tmp_pa
     forward = lean.LeanForward(model)
     assert forward._graph() is None
     assert kernels.choices() == ["forward decode every call: torch"]
+
+
+@pytest.mark.parametrize("fault, reason", [
+    ("rows", "a row's logits changed with the rows beside it in a call"),
+    ("scale", "relative error"),
+])
+def test_a_graph_that_fails_its_check_is_refused_and_torch_runs(tmp_path, pinned, monkeypatch, caplog, fault, reason):
+    model, _ = tiny_qwen(tmp_path, layers=1)
+    pinned("ggml-graph")   # chosen, so only the check stands between the graph and the calls
+    forward = lean.LeanForward(model)
+    real = ggml_forward.GraphForward.rows
+
+    def faulty(self, x, caches, positions, kept):
+        logits = real(self, x, caches, positions, kept)
+        if fault == "rows":   # a row's result moved by the rows beside it
+            return logits + 1e-3 * (x.shape[0] - 1)
+        return logits * 2     # another model's logits
+    monkeypatch.setattr(ggml_forward.GraphForward, "rows", faulty)
+    with caplog.at_level("WARNING", logger="specdec.runtime.ggml_forward"):
+        assert forward._graph() is None
+    assert "failed its check" in caplog.text and reason in caplog.text
+    cache, reference = forward.new_cache(), lean.LeanForward(model)
+    got = forward(torch.tensor([3, 1, 4]), cache, 3)
+    assert torch.equal(got, reference._batch([(torch.tensor([3, 1, 4]), reference.new_cache(), 3)])[0])
