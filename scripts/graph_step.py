@@ -43,7 +43,7 @@ def main() -> int:
     parser.add_argument("--head-vocab", type=int, default=0, help="the LM head cut to the N ids a target writes most")
     parser.add_argument("--rows", default="1,2,4,5,8")
     parser.add_argument("--prefix", type=int, default=200, help="tokens before the timed rows")
-    parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds of 3 calls of each path per row count")
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds of 3 calls of each path, by rows")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--torch-layers", choices=["chosen", "own"], default="chosen",
                         help="the torch forward's layers on the kernels they time fastest (ggml's among them), or on "
