@@ -13,6 +13,7 @@ Needs llama-cpp-python (`pip install ".[llama-cpp]"`).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
@@ -26,7 +27,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import torch  # noqa: E402
 
-from specdec.runtime import torch_thread  # noqa: E402
+from specdec.runtime import ggml_forward, kernels, torch_thread  # noqa: E402
 from specdec.runtime.models import load_model  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -50,13 +51,10 @@ def main() -> int:
                              "torch's own only, as where llama-cpp-python does not install")
     parser.add_argument("--out", default="graph_step.json")
     args = parser.parse_args()
-    try:
-        from specdec.runtime import ggml_forward
-    except ImportError:
+    if importlib.util.find_spec("llama_cpp") is None:
         sys.exit('llama-cpp-python is not installed: pip install ".[llama-cpp]"')
     torch_thread.set_threads(args.threads)
     if args.torch_layers == "own":
-        from specdec.runtime import kernels
         kernels._usable["ggml"] = False   # the layers' per-row ggml kernel; the graph binds ggml itself
     loaded = load_model(args.model, dtype=args.dtype, quantize=args.quantize, head_vocab=args.head_vocab)
     lean = loaded.lean

@@ -86,6 +86,36 @@ def _buffer(rows: int, width: int) -> torch.Tensor:
         return _scratch.setdefault((rows, width), torch.zeros(rows, width))
 
 
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, contiguous, or a copy whose data starts on 64 bytes (ggml wants its tensors' data aligned)."""
+    t = t.contiguous()
+    if t.data_ptr() % 64 == 0:
+        return t
+    nbytes = t.numel() * t.element_size()
+    raw = torch.empty(nbytes + 64, dtype=torch.uint8)
+    offset = -raw.data_ptr() % 64
+    return raw[offset:offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
+
+
+def place(tensor, memory: torch.Tensor):
+    """Put `tensor` (of a no_alloc context) over this process's `memory`; returns the buffer to free."""
+    g = lib()
+    buffer = g.buffer_from_ptr(memory.data_ptr(), memory.numel() * memory.element_size())
+    if g.tensor_alloc(buffer, tensor, memory.data_ptr()) != 0:
+        g.buffer_free(buffer)
+        raise RuntimeError("ggml could not place a tensor in this process's memory")
+    return buffer
+
+
+def follow_threads() -> None:
+    """ggml's CPU backend on as many threads as torch's (set once, changed when torch's is)."""
+    g = lib()
+    threads = torch.get_num_threads()
+    if g.threads != threads:
+        g.set_threads(g.backend, threads)
+        g.threads = threads
+
+
 class _Graph:
     """y [rows, N] = x [rows, K] W^T for one row count, built once."""
 
@@ -98,12 +128,7 @@ class _Graph:
         y = g.mul_mat(self.ctx, w, x)
         self.graph = g.new_graph(self.ctx, 4, False)
         g.build_forward(self.graph, y)
-        self.buffers = []
-        for tensor, memory in ((w, weight.blocks), (x, self.x), (y, self.y)):
-            buffer = g.buffer_from_ptr(memory.data_ptr(), memory.numel() * memory.element_size())
-            self.buffers.append(buffer)
-            if g.tensor_alloc(buffer, tensor, memory.data_ptr()) != 0:
-                raise RuntimeError("ggml could not place a tensor in this process's memory")
+        self.buffers = [place(tensor, memory) for tensor, memory in ((w, weight.blocks), (x, self.x), (y, self.y))]
         weakref.finalize(self, _release, self.ctx, list(self.buffers))
 
     def __call__(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -128,11 +153,7 @@ class GgmlLinear:
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int):
         assert blocks.dtype == torch.uint8 and blocks.dim() == 2, (blocks.dtype, blocks.shape)
-        self.blocks = blocks.contiguous()
-        if self.blocks.data_ptr() % 64:   # ggml wants its tensors' data aligned
-            aligned = torch.empty(self.blocks.numel() + 64, dtype=torch.uint8)
-            offset = -aligned.data_ptr() % 64
-            self.blocks = aligned[offset:offset + self.blocks.numel()].view_as(blocks).copy_(blocks)
+        self.blocks = aligned(blocks)
         self.ggml_type, self.in_features, self.out_features = int(ggml_type), int(in_features), blocks.shape[0]
         self.nbytes = self.blocks.numel()
         self._graphs: dict[int, _Graph] = {}
@@ -144,11 +165,7 @@ class GgmlLinear:
         return graph
 
     def __call__(self, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        g = lib()
-        threads = torch.get_num_threads()
-        if g.threads != threads:
-            g.set_threads(g.backend, threads)
-            g.threads = threads
+        follow_threads()
         rows = x.shape[0]
         if rows <= CHUNK_ROWS:
             return self._graph(rows)(x, dtype)

@@ -29,7 +29,7 @@ import math
 import torch
 from torch import nn
 
-from specdec.runtime import ggml
+from specdec.runtime import dense_rows, ggml, kernels
 
 log = logging.getLogger(__name__)
 F32, I32 = 0, 26      # ggml types
@@ -70,29 +70,10 @@ class _Api:
         bind("ggml_get_data", [_p])
         bind("ggml_build_forward_expand", [_p, _p], None)
 
-    def place(self, ctx, tensor, memory: torch.Tensor) -> object:
-        """Put `tensor` (of a no_alloc context) over this process's `memory`; the buffer to free."""
-        g = self.g
-        buffer = g.buffer_from_ptr(memory.data_ptr(), memory.numel() * memory.element_size())
-        if g.tensor_alloc(buffer, tensor, memory.data_ptr()) != 0:
-            g.buffer_free(buffer)
-            raise RuntimeError("ggml could not place a tensor in this process's memory")
-        return buffer
-
 
 @functools.cache
 def api() -> _Api:
     return _Api()
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """t, or a copy whose data starts on 64 bytes (ggml's buffers want it)."""
-    t = t.contiguous()
-    if t.data_ptr() % 64 == 0:
-        return t
-    raw = torch.empty(t.numel() * t.element_size() + 64, dtype=torch.uint8)
-    offset = -raw.data_ptr() % 64
-    return raw[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
 
 
 class _Weight:
@@ -102,16 +83,12 @@ class _Weight:
         blocks = getattr(module, "gguf_blocks", None)
         if blocks is None:
             raise Unsupported(f"a {type(module).__name__} without GGUF blocks")
-        ggml_type = getattr(module, "ggml_type", None)
-        if ggml_type is None:  # an Int4Linear: its blocks are Q4_K
-            from gguf import GGMLQuantizationType
-            ggml_type = int(GGMLQuantizationType.Q4_K)
         bias = getattr(module, "bias", None)
         if rows is not None:
             blocks, bias = blocks[rows], None if bias is None else bias[rows]
-        self.blocks = _aligned(blocks)
+        self.blocks = ggml.aligned(blocks)
         self.in_features, self.out_features = module.in_features, self.blocks.shape[0]
-        self.ggml_type = int(ggml_type)
+        self.ggml_type = int(module.ggml_type)
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
 
@@ -196,7 +173,7 @@ class GraphForward:
             self._put(a.new_tensor_2d(self._ctx, w.ggml_type, w.in_features, w.out_features), w.blocks)
 
     def _put(self, tensor, memory: torch.Tensor) -> None:
-        self._buffers.append(api().place(self._ctx, tensor, memory))
+        self._buffers.append(ggml.place(tensor, memory))
         self._tensor[id(memory)] = tensor
 
     def __del__(self):
@@ -206,11 +183,15 @@ class GraphForward:
                 g.buffer_free(buffer)
             g.free(self._ctx)
 
+    def _nodes(self, rows: int) -> int:
+        """A graph's node budget for `rows` rows: some 40 a layer, 12 more a row (its cache writes and attention)."""
+        return len(self.layers) * (40 + 12 * rows) + 64
+
     def _arena_bytes(self, rows: int, caches: int) -> int:
         """Memory for one graph's nodes and their results (fp32), with room to spare."""
         layer = self.layers[0]
         floats = 12 * self.hidden + 6 * (layer.q.out_features + 2 * layer.k.out_features) + 4 * layer.gate.out_features
-        nodes = len(self.layers) * (40 + 12 * rows) + 64 + caches
+        nodes = self._nodes(rows) + caches
         overhead = api().g.tensor_overhead()
         return (rows * len(self.layers) * floats * 4 + nodes * overhead + api().g.graph_overhead(4 * nodes, False)
                 + self.head.out_features * rows * 4 + (1 << 20))
@@ -237,7 +218,7 @@ class GraphForward:
                 assert buf.dtype == torch.float32 and buf.is_contiguous(), (buf.dtype, buf.stride())
                 layers, two, kv_heads, capacity, dim = buf.shape
                 t = a.new_tensor_4d(cache_ctx, F32, dim, capacity, kv_heads, layers * two)
-                buffers.append(a.place(cache_ctx, t, buf))
+                buffers.append(ggml.place(t, buf))
                 cache_tensor[id(cache)] = (t, capacity)
             logits = self._build_and_run(ctx, x, caches, positions, kept, cache_tensor)
         finally:
@@ -252,7 +233,7 @@ class GraphForward:
         T = self._tensor
         rows, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.dim
         q_size, kv_size, f = heads * dim, kv_heads * dim, 4
-        graph = g.new_graph(ctx, len(self.layers) * (40 + 12 * rows) + 64, False)
+        graph = g.new_graph(ctx, self._nodes(rows), False)
         h_in = a.new_tensor_2d(ctx, F32, self.hidden, rows)
         pos = a.new_tensor_1d(ctx, I32, rows)
         hidden = h_in
@@ -307,10 +288,7 @@ class GraphForward:
             inputs.append((index, torch.tensor(kept, dtype=torch.int32)))
         for tensor, value in inputs:   # held in `inputs` while copied
             ctypes.memmove(a.get_data(tensor), value.data_ptr(), value.numel() * value.element_size())
-        threads = torch.get_num_threads()
-        if g.threads != threads:
-            g.set_threads(g.backend, threads)
-            g.threads = threads
+        ggml.follow_threads()
         if g.compute(g.backend, graph) != 0:
             raise RuntimeError("ggml's graph compute failed")
         logits = torch.empty(len(kept), self.head.out_features)
@@ -334,7 +312,6 @@ CHECK_TOLERANCE = 0.3
 def on_graph(rows: int, keep_last: int) -> bool:
     """Whether a call of `rows` keeping `keep_last` logits runs on the graph, where it is chosen:
     decode and verify calls (the kernel's, dense_rows); prefill chunks keep torch's paths."""
-    from specdec.runtime import dense_rows
     return keep_last > 0 and not dense_rows.timed(rows, False)
 
 
@@ -382,16 +359,13 @@ def choose(lean) -> GraphForward | None:
     """The graph for `lean`'s decode and verify calls where it runs here, passes `check` and
     times faster than the torch forward on a call of kernels' choice rows (`choose_at`);
     else None, said in the log. One choice for the process: the two round differently."""
-    from specdec.runtime import kernels
-    if kernels.chosen(KEY, 0) == NAMES[0]:
-        return None
+    if kernels.chosen(KEY, 0) == NAMES[0] or not kernels.usable("gguf-blocks", per_row=True):
+        return None     # pinned to torch, or no ggml here (the kernel registry said why, once)
     try:
         graph = GraphForward(lean)
     except Unsupported as why:
         log.info("decode and verify calls run through torch: the ggml graph does not cover %s", why)
         return None
-    if not kernels.usable("gguf-blocks", per_row=True):
-        return None     # no ggml here (the kernel registry said why, once)
     graph.place()
     reason = check(lean, graph)
     if reason is not None:

@@ -119,6 +119,8 @@ class Int4Linear(nn.Module):
     from 5 rows it costs twice what it does for 4; an int8 x int8 GEMM stays nearly flat.
     The int8 copy is made on the first call, outside the model cache."""
 
+    ggml_type = int(GGMLQuantizationType.Q4_K)   # of `gguf_blocks`, where the layer has them
+
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                  bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16,
                  int8_activations: bool = False, blocks: torch.Tensor | None = None):
@@ -225,7 +227,7 @@ class Int4Linear(nn.Module):
             reference = lambda x: self._int4(x.to(self.dtype))  # noqa: E731
             accel = []
             if self.gguf_blocks is not None:
-                accel += kernels.prepared("gguf-blocks", (self.gguf_blocks, int(GGMLQuantizationType.Q4_K),
+                accel += kernels.prepared("gguf-blocks", (self.gguf_blocks, self.ggml_type,
                                                           self.in_features), reference, per_row=True,
                                           in_features=self.in_features)
             if self.int8_activations and kernels.usable("int8-channel", per_row=True):
