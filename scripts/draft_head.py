@@ -15,21 +15,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
 
-import torch
+# As the model services: OpenMP's idle workers sleep soon (specdec.runtime.torch_thread.SPIN_COUNT),
+# before torch loads; else, after the target's torch ops, they spin on the cores a draft's ggml graph runs on.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-from specdec.runtime import torch_thread
-from specdec.runtime.kv_cache import SequenceCache, drive
-from specdec.runtime.models import load_model
-from specdec.spec.sampling import SamplingConfig
-from specdec.spec.transform import scores_to_probs, transform_logits
-from specdec.weights import vocab_rank
-from specdec.weights.pairs import PAIRS
-from specdec_tools.bench.data import DEFAULT_QUESTIONS, load_questions
-from specdec_tools.bench.systems import chat_ids
+import torch  # noqa: E402
+
+from specdec.runtime import torch_thread  # noqa: E402
+from specdec.runtime.kv_cache import SequenceCache, drive  # noqa: E402
+from specdec.runtime.models import load_model  # noqa: E402
+from specdec.spec.sampling import SamplingConfig  # noqa: E402
+from specdec.spec.transform import scores_to_probs, transform_logits  # noqa: E402
+from specdec.weights import vocab_rank  # noqa: E402
+from specdec.weights.pairs import PAIRS  # noqa: E402
+from specdec_tools.bench.data import DEFAULT_QUESTIONS, load_questions  # noqa: E402
+from specdec_tools.bench.systems import chat_ids  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from quant_check import forward_ms  # noqa: E402
@@ -54,6 +59,7 @@ def main() -> int:
     parser.add_argument("--pair", default="qwen-coder", choices=sorted(PAIRS))
     parser.add_argument("--questions", type=pathlib.Path, default=DEFAULT_QUESTIONS)
     parser.add_argument("--sizes", default="8192,16384,32768,65536,0", help="head sizes (0: the whole vocabulary)")
+    parser.add_argument("--draft-quantize", default=None, help="the draft's quantization (default: the pair's)")
     parser.add_argument("--per-task", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--skip-ranked", type=pathlib.Path, default=pathlib.Path("vocab_rank_questions.json"),
@@ -65,9 +71,10 @@ def main() -> int:
     args = parser.parse_args()
     torch_thread.set_threads(args.threads)
     pair = PAIRS[args.pair]
+    draft_quantize = args.draft_quantize or pair.draft_quantize
     say = lambda message: print(f"draft_head: {message}", file=sys.stderr, flush=True)  # noqa: E731
     target = torch_thread.run(load_model, pair.target, dtype=pair.target_dtype, quantize=pair.target_quantize)
-    draft = torch_thread.run(load_model, pair.draft, dtype=pair.draft_dtype, quantize=pair.draft_quantize)
+    draft = torch_thread.run(load_model, pair.draft, dtype=pair.draft_dtype, quantize=draft_quantize)
     ranking = vocab_rank.load(target.fingerprint)
     if ranking is None:
         say(f"no ranking for this tokenizer in {vocab_rank.DIR}: run scripts/vocab_rank.py first")
@@ -108,7 +115,7 @@ def main() -> int:
     # Every head and the target timed in turn, round after round, and the median of each one's
     # rounds kept: a shared machine drifts by tens of percent over minutes, which timing one
     # after the other would read as a difference between them.
-    drafts = {n: torch_thread.run(load_model, pair.draft, dtype=pair.draft_dtype, quantize=pair.draft_quantize,
+    drafts = {n: torch_thread.run(load_model, pair.draft, dtype=pair.draft_dtype, quantize=draft_quantize,
                                   head_vocab=n) for n in sizes}
     timed = {n: ([], []) for n in sizes}
     target_times = []
@@ -131,7 +138,8 @@ def main() -> int:
                          step_ms=round(step[0], 2) if step else None, step_ms_4_rows=round(step[1], 2) if step else None,
                          step_vs_target=round(step[0] / target_ms, 3) if step else None))
     positions = len(accepted[(0, "all")])
-    print(f"{args.pair}: {positions} positions of {len(questions)} dev questions the ranking did not read; "
+    print(f"{args.pair}, draft in {draft_quantize}: {positions} positions of {len(questions)} dev questions "
+          "the ranking did not read; "
           f"target step {target_ms:.1f} ms; acceptance = E sum(min(target, draft)) at T=0.7\n")
     print("| head ids | ranked by | acceptance | greedy agreement | draft step ms (1 row, 4 rows) | step / target step |")
     print("|---|---|---|---|---|---|")
@@ -139,7 +147,8 @@ def main() -> int:
         step = f"{r['step_ms']:.1f}, {r['step_ms_4_rows']:.1f}" if r["step_ms"] else "-"
         ratio = f"{r['step_vs_target']:.2f}" if r["step_vs_target"] else "-"
         print(f"| {r['head']} | {r['ranked_by']} | {r['acceptance']:.4f} | {r['greedy_agreement']:.4f} | {step} | {ratio} |")
-    args.out.write_text(json.dumps(dict(pair=args.pair, positions=positions, target_step_ms=target_ms, rows=rows),
+    args.out.write_text(json.dumps(dict(pair=args.pair, draft_quantize=draft_quantize, positions=positions,
+                                        target_step_ms=target_ms, rows=rows),
                                    indent=1))
     say(f"wrote {args.out}")
     return 0

@@ -10,6 +10,8 @@ like a process manager: the coordinator goes on target-only while the drafter is
 away, and answers UNAVAILABLE while the verifier is."""
 from __future__ import annotations
 
+import importlib.util
+
 import os
 import secrets
 import shutil
@@ -189,6 +191,10 @@ class StackOptions:
         given = {k: v for k, v in overrides.items() if v is not None}
         if given.get("device", "cpu") != "cpu" and "target_quantize" not in given and pair.target_quantize == "int4":
             given["target_quantize"] = "none"  # int4 runs torch's CPU kernel; a GPU serves the pair's dtype
+        if "draft_quantize" not in given and pair.draft_quantize == "q4_0" and (
+                given.get("device", "cpu") != "cpu" or importlib.util.find_spec("llama_cpp") is None):
+            # A Q4_0 draft is fast on llama.cpp's CPU kernels only (the llama-cpp extra): INT8 elsewhere.
+            given["draft_quantize"] = "int8"
         return cls(**{"pair": pair, "draft_model": pair.draft, "target_model": pair.target,
                       "draft_quantize": pair.draft_quantize, "head_vocab": pair.draft_head_vocab,
                       "target_quantize": pair.target_quantize, **given})

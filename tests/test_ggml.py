@@ -114,3 +114,16 @@ def test_a_layer_whose_blocks_fail_the_check_keeps_torchs_kernel(monkeypatch, ca
     with caplog.at_level("WARNING", logger="specdec.runtime.kernels"):
         assert layer._accelerated() == []
     assert "ggml skipped for 64 x 256 layers: it failed its check" in caplog.text
+
+
+def test_a_repacked_q4k_weight_gives_each_row_the_bits_of_a_one_row_call():
+    if not ggml.repack_usable(ggml.Q4_K):
+        pytest.skip("ggml's repacked Q4_K kernels do not run on this CPU (its probe said why in the log)")
+    rows, cols = 64, 512
+    blocks = torch.from_numpy(random_q4k(rows, cols, seed=3)).view(torch.uint8).reshape(rows, -1)
+    x = torch.randn(ggml.REPACK_ROWS, cols, generator=torch.Generator().manual_seed(0))
+    got = ggml.probe_repacked(blocks, ggml.Q4_K, x)
+    one = torch.cat([ggml.probe_repacked(blocks, ggml.Q4_K, x[i:i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(got, one)
+    want = x @ torch.from_numpy(dequantize(blocks.numpy().reshape(-1), GGMLQuantizationType.Q4_K)).reshape(rows, cols).T
+    assert relative_error(got, want) < 0.02   # Q8_K activations against fp32

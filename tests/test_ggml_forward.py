@@ -1,7 +1,7 @@
 """specdec.runtime.ggml_forward: a model's decode and verify calls as one ggml graph over the
 GGUF's blocks, where llama-cpp-python installs. A tiny random Qwen2 built from a GGUF in the
-test: the graph computes the model (against its fp32 self), a verification's rows are its
-decode steps bit for bit, a call's logits do not depend on what else shares the forward, and
+test: the graph computes the model (against its fp32 self), over the blocks as they are and
+laid out for ggml's repacked kernels, a verification's rows are its decode steps bit for bit, a call's logits do not depend on what else shares the forward, and
 a model it does not cover, a pinned choice, or a graph that fails its check keeps torch's forward."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.test_int4 import random_q4k, write_gguf
 
 pytest.importorskip("llama_cpp", reason="the ggml kernels come with llama-cpp-python: pip install '.[llama-cpp]'",
                     exc_type=ImportError)
-from specdec.runtime import ggml_forward  # noqa: E402
+from specdec.runtime import ggml, ggml_forward  # noqa: E402
 
 HIDDEN, INTER, VOCAB = 256, 512, 320
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
@@ -68,9 +68,16 @@ def pinned(monkeypatch):
     return pin
 
 
-def test_the_graph_computes_the_model_and_a_verification_is_its_decode_steps(tmp_path, pinned):
+def needs_layout(name: str) -> None:
+    if name == "ggml-graph-repacked" and not ggml.repack_usable(ggml.Q4_K):
+        pytest.skip("ggml's repacked Q4_K kernels do not run on this CPU (the services then keep the plain blocks)")
+
+
+@pytest.mark.parametrize("name", ["ggml-graph", "ggml-graph-repacked"])
+def test_the_graph_computes_the_model_and_a_verification_is_its_decode_steps(tmp_path, pinned, name):
+    needs_layout(name)
     model, reference = tiny_qwen(tmp_path)
-    pinned("ggml-graph")
+    pinned(name)
     forward = lean.LeanForward(model)
     ids = torch.tensor([5, 17, 99, 3, 250, 41, 8, 77, 120, 64, 2])
     prompt, drafts = ids[:5], ids[5:]
@@ -86,12 +93,19 @@ def test_the_graph_computes_the_model_and_a_verification_is_its_decode_steps(tmp
         exact = reference(ids[None]).logits[0, 4:].float()
     error = float((rows - exact).norm() / exact.norm())
     assert error < 0.05, error                         # int8 activations against fp32 arithmetic
-    assert "forward decode every call: ggml-graph" in kernels.choices()
+    assert f"forward decode every call: {name}" in kernels.choices()
+    graph = forward._graph()
+    if name == "ggml-graph-repacked":                  # every Q4_K weight laid out anew; calls of 3 rows
+        assert graph.repacked == 7 * 2 and graph.chunk_rows == ggml.REPACK_ROWS
+    else:
+        assert graph.repacked == 0 and graph.chunk_rows == ggml.CHUNK_ROWS
 
 
-def test_a_calls_logits_do_not_depend_on_what_shares_its_forward(tmp_path, pinned):
+@pytest.mark.parametrize("name", ["ggml-graph", "ggml-graph-repacked"])
+def test_a_calls_logits_do_not_depend_on_what_shares_its_forward(tmp_path, pinned, name):
+    needs_layout(name)
     model, _ = tiny_qwen(tmp_path)
-    pinned("ggml-graph")
+    pinned(name)
     forward = lean.LeanForward(model)
     a, b, c = (torch.tensor(t) for t in ([9, 8, 7, 6, 5, 4], [1, 2, 3], [30, 31, 32, 33, 34, 35, 36, 37, 38]))
 
@@ -132,6 +146,23 @@ def test_a_failed_graph_call_leaves_the_cache_as_it_was(tmp_path, pinned, monkey
     assert cache.length == 3
     failing[0] = False
     assert torch.equal(forward(torch.tensor([4]), cache, 1), want)
+
+
+def test_where_the_repacked_kernels_fail_their_probe_the_plain_blocks_are_timed_against_torch(
+        tmp_path, pinned, monkeypatch):
+    model, _ = tiny_qwen(tmp_path, layers=1)
+    monkeypatch.setattr(ggml, "repack_usable", lambda ggml_type: False)
+    timed = []
+    real_pick = kernels.pick
+
+    def pick(key, rows, calls, per_layer=False):
+        if key[:2] == ggml_forward.KEY:
+            timed.append(list(calls))
+        return real_pick(key, rows, calls, per_layer)
+    monkeypatch.setattr(kernels, "pick", pick)
+    forward = lean.LeanForward(model)
+    forward._graph()
+    assert timed == [["torch", "ggml-graph"]]
 
 
 def test_models_it_does_not_cover_and_a_pinned_choice_keep_torchs_forward(tmp_path, pinned, caplog):

@@ -200,13 +200,21 @@ def test_the_image_and_the_chart_agree():
         assert f'{entrypoint} = "' in pyproject, entrypoint
 
 
-def test_the_chart_serves_the_default_pair_as_specdec_up_does():
+def test_the_chart_serves_the_default_pair_as_specdec_up_does(monkeypatch):
+    import importlib.util
+
     from specdec.weights.pairs import DEFAULT_PAIR, PAIRS
+    from specdec_tools.launcher import StackOptions
     pair = PAIRS[DEFAULT_PAIR]
+    # The image has no llama-cpp-python: the draft `specdec up` serves there.
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llama_cpp" else real_find_spec(name, *a))
+    draft_quantize = StackOptions.for_pair(pair).draft_quantize
     (deployment,) = by_kind(render({}), "Deployment")
     args = {c["name"]: c["args"] for c in deployment["spec"]["template"]["spec"]["containers"]}
     assert f"--quantize={pair.target_quantize}" in args["verifier"] and f"--dtype={pair.target_dtype}" in args["verifier"]
-    assert f"--quantize={pair.draft_quantize}" in args["drafter"] and f"--dtype={pair.draft_dtype}" in args["drafter"]
+    assert f"--quantize={draft_quantize}" in args["drafter"] and f"--dtype={pair.draft_dtype}" in args["drafter"]
     assert f"--head-vocab={pair.draft_head_vocab}" in args["drafter"]
     (deployment,) = by_kind(render({"verifier": {"quantize": "none"}}), "Deployment")
     args = {c["name"]: c["args"] for c in deployment["spec"]["template"]["spec"]["containers"]}

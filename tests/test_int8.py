@@ -47,11 +47,14 @@ def test_per_channel_scales_keep_small_rows_that_a_per_tensor_scale_would_flatte
 def test_weight_only_int8_holds_activation_outliers(generator):
     weight = torch.randn(48, 256, generator=generator) * 0.05
     x = torch.randn(1, 256, generator=generator)
-    x[0, 7] = 2000.0  # a massive activation, as in Qwen's MLP down projections
-    expected = x @ weight.T
-    assert relative_error(int8.Int8WeightOnlyLinear(weight)(x), expected) < 0.01
-    assert relative_error(int8.Int8WeightOnlyLinear(weight)(x), expected) < relative_error(
-        int8.Int8Linear(weight)(x), expected)
+    x[0, 7] = 200.0  # a massive activation, as in Qwen's MLP down projections
+    weight_only = int8.Int8WeightOnlyLinear(weight)
+    expected = x @ weight_only.dense_weight().float().T   # the same int8 weights: only activations differ
+    kept = relative_error(weight_only(x), expected)
+    assert kept < 0.01                                    # bf16 activations: the outlier and the rest
+    # Quantized per call at 7 or 8 bits, whichever kernel serves here, the other activations
+    # round to a step of 200/127 or coarser.
+    assert relative_error(int8.Int8Linear(weight)(x), expected) > 2 * kept
 
 
 def test_gated_mlp_matches_the_original(tiny_target, generator):

@@ -15,8 +15,9 @@ the session's own KV cache and fp32 activations, and computed in one call:
 A verification's rows must come out as the decode steps', bit for bit. Each node
 works on a row alone (norms, rope, the element-wise ops), each row's attention is
 its own node over its own prefix, and the matmuls run at most ggml.CHUNK_ROWS rows
-a graph, where a row's result does not depend on the rows beside it: a call of
-more rows is several graphs in turn. `check` proves it on the model at hand
+a graph (ggml.REPACK_ROWS where weights are repacked), where a row's
+result does not depend on the rows beside it: a call of more rows is several
+graphs in turn. `check` proves it on the model at hand
 before a service uses the path (specdec.runtime.lean chooses it by timing).
 """
 from __future__ import annotations
@@ -146,7 +147,10 @@ class GraphForward:
         self.lean = lean
         self.base = _rope_base(lean)
         self.layers = [_Layer(layer) for layer in lean.layers]
-        self.head = _Weight(lean.lm_head)
+        # A head cut to some ids (a draft's) computes those rows; the others' logits are -inf.
+        self.head_ids = getattr(lean.lm_head, "keep_ids", None)
+        self.vocab = getattr(lean.lm_head, "vocab_size", None) if self.head_ids is not None else None
+        self.head = _Weight(lean.lm_head if self.head_ids is None else lean.lm_head.head)
         self.norm = _norm_weight(lean.norm)
         self.eps = float(lean.norm.variance_epsilon)
         self.heads, self.kv_heads, self.dim = lean.heads, lean.kv_heads, lean.head_dim
@@ -154,9 +158,13 @@ class GraphForward:
         self.n_ctx = int(getattr(lean.config, "max_position_embeddings", 0) or 0)
         self._ctx = None
         self._arena = torch.empty(0, dtype=torch.uint8)
+        self.chunk_rows = ggml.CHUNK_ROWS   # rows a graph, at most
+        self.repacked = 0                   # weights laid out for ggml's repacked kernels
 
-    def place(self) -> None:
-        """Make the weights' ggml headers (loads ggml: only where its backend runs here)."""
+    def place(self, repack: bool = False) -> None:
+        """Make the weights' ggml headers (loads ggml: only where its backend runs here); with
+        `repack`, the Q4_K and Q4_0 weights in ggml's repack layout where their type passes its
+        probe (a copy: the blocks stay torch's)."""
         a = api()
         # The weights' headers, for the process's life, over the blocks and norms held here.
         held = [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)] + [self.norm]
@@ -170,7 +178,15 @@ class GraphForward:
         for t in held + [w.bias for w in biases]:
             self._put(a.new_tensor_1d(self._ctx, F32, t.shape[0]), t)
         for w in weights:
-            self._put(a.new_tensor_2d(self._ctx, w.ggml_type, w.in_features, w.out_features), w.blocks)
+            tensor = a.new_tensor_2d(self._ctx, w.ggml_type, w.in_features, w.out_features)
+            if repack and ggml.repackable(w.ggml_type, w.out_features):
+                self._buffers.append(ggml.place_repacked(tensor, w.blocks))
+                self._tensor[id(w.blocks)] = tensor
+                self.repacked += 1
+            else:
+                self._put(tensor, w.blocks)
+        if self.repacked:
+            self.chunk_rows = ggml.REPACK_ROWS
 
     def _put(self, tensor, memory: torch.Tensor) -> None:
         self._buffers.append(ggml.place(tensor, memory))
@@ -197,11 +213,11 @@ class GraphForward:
                 + self.head.out_features * rows * 4 + (1 << 20))
 
     def rows(self, x: torch.Tensor, caches: list, positions: list[int], kept: list[int]) -> torch.Tensor:
-        """x [R, hidden] (R <= ggml.CHUNK_ROWS), row r at positions[r] of caches[r] (a
+        """x [R, hidden] (R <= self.chunk_rows), row r at positions[r] of caches[r] (a
         StaticKVCache holding at least that position's room) -> logits [len(kept), vocab]
         float32 of the rows `kept` (indices into R); writes each row's keys and values."""
         rows = x.shape[0]
-        assert 0 < rows <= ggml.CHUNK_ROWS and len(caches) == len(positions) == rows, (x.shape, positions)
+        assert 0 < rows <= self.chunk_rows and len(caches) == len(positions) == rows, (x.shape, positions)
         assert x.shape[1] == self.hidden, x.shape
         a, g = api(), api().g
         distinct = list({id(c): c for c in caches}.values())
@@ -294,13 +310,19 @@ class GraphForward:
         logits = torch.empty(len(kept), self.head.out_features)
         if out is not None:
             ctypes.memmove(logits.data_ptr(), a.get_data(out), logits.numel() * 4)
+        if self.head_ids is not None:
+            full = torch.full((len(kept), self.vocab), float("-inf"))
+            logits = full.index_copy_(1, self.head_ids, logits)
         return logits
 
 
 # --- the lean forward's calls on the graph, and the choice of it -------------------------
 
-KEY = ("forward", "decode")   # kernels' key of the choice: "torch" (the lean forward's ops) or "ggml-graph"
-NAMES = ("torch", "ggml-graph")
+# kernels' key of the choice (a pin under it holds for every model; a choice made by timing is
+# the model shape's): "torch" (the lean forward's ops), "ggml-graph" (the blocks as they are) or
+# "ggml-graph-repacked" (the Q4_K and Q4_0 weights laid out for ggml's repacked kernels).
+KEY = ("forward", "decode")
+NAMES = ("torch", "ggml-graph", "ggml-graph-repacked")
 # The graph's logits within this relative error of the torch forward's, on 8 arbitrary tokens.
 # The two round differently: on the 1.5B int4 target the torch forward on torch's own int4
 # kernel (Q4_K's scales rounded to bf16) differed by 0.18 (the graph's top-1 against fp32 was
@@ -317,7 +339,7 @@ def on_graph(rows: int, keep_last: int) -> bool:
 
 def run_items(graph: GraphForward, items: list) -> list[torch.Tensor]:
     """[(ids [T], cache, keep_last)] -> [logits [keep_last, vocab] float32], each call's rows
-    ggml.CHUNK_ROWS at a time (rows of several calls may share a graph: each row is computed
+    graph.chunk_rows at a time (rows of several calls may share a graph: each row is computed
     alone); every cache's length moves past its rows."""
     caches, positions, kept = [], [], []
     for ids, cache, keep_last in items:
@@ -328,8 +350,8 @@ def run_items(graph: GraphForward, items: list) -> list[torch.Tensor]:
         kept += [False] * (rows - keep_last) + [True] * keep_last
     x = graph.lean.embed(items[0][0] if len(items) == 1 else torch.cat([ids for ids, _, _ in items]))
     logits = []
-    for lo in range(0, len(kept), ggml.CHUNK_ROWS):
-        hi = min(lo + ggml.CHUNK_ROWS, len(kept))
+    for lo in range(0, len(kept), graph.chunk_rows):
+        hi = min(lo + graph.chunk_rows, len(kept))
         logits.append(graph.rows(x[lo:hi], caches[lo:hi], positions[lo:hi],
                                  [r - lo for r in range(lo, hi) if kept[r]]))
     for ids, cache, _ in items:
@@ -337,6 +359,7 @@ def run_items(graph: GraphForward, items: list) -> list[torch.Tensor]:
     return list(torch.cat(logits).split([keep_last for _, _, keep_last in items]))
 
 
+@torch.no_grad()
 def check(lean, graph: GraphForward) -> str | None:
     """None if the graph computes this model as it must, else what is wrong: 8 one-row steps
     and two 4-row calls over the same tokens give the same logits bit for bit (a verification
@@ -349,31 +372,55 @@ def check(lean, graph: GraphForward) -> str | None:
     if not torch.equal(one, four):
         return "a row's logits changed with the rows beside it in a call"
     want = lean._batch([(ids, own, 8)])[0]
+    finite = torch.isfinite(want)       # a head cut to some ids leaves the others at -inf
+    if not torch.equal(finite, torch.isfinite(one)):
+        return "its logits are not finite where the torch forward's are, or are where they are not"
+    one, want = one[finite], want[finite]
     error = float((one - want).norm() / want.norm().clamp(min=1e-12))
     if not math.isfinite(error) or error > CHECK_TOLERANCE:
         return f"relative error {error:.3g} against the torch forward's logits"
     return None
 
 
+def _candidates(lean) -> dict[str, GraphForward]:
+    """The graphs that pass `check` here, by name: the blocks as they are, and (where any
+    weight's type passes its probe) laid out for ggml's repacked kernels."""
+    graphs = {}
+    for name, repack in ((NAMES[1], False), (NAMES[2], True)):
+        try:
+            graph = GraphForward(lean)
+        except Unsupported as why:
+            log.info("decode and verify calls run through torch: the ggml graph does not cover %s", why)
+            return {}
+        graph.place(repack=repack)
+        if repack and not graph.repacked:
+            continue
+        reason = check(lean, graph)
+        if reason is None:
+            graphs[name] = graph
+        else:
+            log.warning("decode and verify calls will not run on %s: it failed its check (%s)", name, reason)
+    return graphs
+
+
 def choose(lean) -> GraphForward | None:
     """The graph for `lean`'s decode and verify calls where it runs here, passes `check` and
     times faster than the torch forward on a call of kernels' choice rows (`choose_at`);
-    else None, said in the log. One choice for the process: the two round differently."""
+    else None, said in the log. One choice for the process: they round differently."""
     if kernels.chosen(KEY, 0) == NAMES[0] or not kernels.usable("gguf-blocks", per_row=True):
         return None     # pinned to torch, or no ggml here (the kernel registry said why, once)
-    try:
-        graph = GraphForward(lean)
-    except Unsupported as why:
-        log.info("decode and verify calls run through torch: the ggml graph does not cover %s", why)
+    graphs = _candidates(lean)
+    pinned = kernels.chosen(KEY, 0)     # a pin for every model (tests, scripts)
+    if pinned in graphs:
+        return graphs[pinned]
+    if not graphs:
         return None
-    graph.place()
-    reason = check(lean, graph)
-    if reason is not None:
-        log.warning("decode and verify calls run through torch: the ggml graph failed its check (%s)", reason)
-        return None
+    # Chosen per model shape: a script may hold a target and a draft, whose best paths differ.
+    key = (*KEY, f"{len(lean.layers)}x{lean.embed.weight.shape[1]}")
     rows = kernels.choice_rows()
     ids = (torch.arange(rows) * 101 + 7) % lean.embed.weight.shape[0]
-    caches = {name: lean.new_cache() for name in NAMES}
+    names = [NAMES[0], *graphs]
+    caches = {name: lean.new_cache() for name in names}
     for name, cache in caches.items():   # a short context, as a chat's first tokens
         lean._batch([((torch.arange(16) * 13 + 5) % lean.embed.weight.shape[0], cache, 0)])
 
@@ -382,8 +429,8 @@ def choose(lean) -> GraphForward | None:
         cache.length = 16
         if name == NAMES[0]:
             return lean._batch([(ids, cache, rows)])[0]
-        return run_items(graph, [(ids, cache, rows)])[0]
-    kernels.pick(KEY, rows, {name: (lambda name=name: step(name)) for name in NAMES}, per_layer=True)
-    chosen = kernels.chosen(KEY, 0)
+        return run_items(graphs[name], [(ids, cache, rows)])[0]
+    kernels.pick(key, rows, {name: (lambda name=name: step(name)) for name in names}, per_layer=True)
+    chosen = kernels.chosen(key, 0)
     log.info("decode and verify calls: %s (timed on %d rows)", chosen, rows)
-    return graph if chosen == NAMES[1] else None
+    return graphs.get(chosen)   # the others' buffers are freed with them

@@ -26,13 +26,14 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
     S("--device", dict(default="cpu", help="cpu or cuda"), chart=True),
     S("--quantize", dict(default="none", choices=QUANTIZE,
                          help="int8: specdec's INT8 (the drafter's default in pairs); int4: the GGUF's own Q4_K "
-                              "blocks on torch's int4 kernel (CPU), tensors stored at higher precision in int8. "
+                              "blocks on torch's int4 kernel (CPU), tensors stored at higher precision in int8; "
+                              "q4_0: the weights rounded to Q4_0 for llama.cpp's kernels (a draft's, CPU). "
                               "Converted once and kept in the model cache"), chart=True),
     S("--forward", dict(default="lean", choices=FORWARDS,
                         help="lean: specdec's forward for Llama/Qwen2 over a static KV cache (others fall back to "
                              "transformers'); hf: transformers' forward")),
     S("--head-vocab", dict(type=int, default=0,
-                           help="with --quantize int8: cut the LM head to the N ids the target writes most (the "
+                           help="with --quantize int8 or q4_0: cut the LM head to the N ids the target writes most (the "
                                 "tokenizer's ranking in specdec/weights/vocab; the lowest ids without one) plus "
                                 "special tokens (0 = whole vocabulary); lossless, it only changes what is proposed"),
       chart=True),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-METHODS = ("int4", "int8")       # --quantize NAME: the module specdec.runtime.quant.NAME
+METHODS = ("int4", "int8", "q4_0")   # --quantize NAME: the module specdec.runtime.quant.NAME
 QUANTIZE = ("none", *METHODS)    # what --quantize accepts
 
 

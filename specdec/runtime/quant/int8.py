@@ -299,15 +299,16 @@ def _cat_bias(*biases: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class Int8RestrictedHead(nn.Module):
-    """An INT8 LM head over a subset of ids; every other id gets logit -inf."""
+    """An LM head over a subset of ids; every other id gets logit -inf. Its layer over the
+    kept rows is INT8 unless `head` gives another (a quantization's own, of weight[keep_ids])."""
 
-    def __init__(self, weight: torch.Tensor, keep_ids: torch.Tensor, vocab_size: int):
+    def __init__(self, weight: torch.Tensor, keep_ids: torch.Tensor, vocab_size: int, head: nn.Module | None = None):
         super().__init__()
         # keep_ids: [K] sorted ids the draft may propose; weight: [vocab_size, hidden]
         assert keep_ids.ndim == 1 and weight.shape[0] == vocab_size
         self.register_buffer("keep_ids", keep_ids.long(), persistent=False)
         self.vocab_size = vocab_size
-        self.head = Int8Linear(weight[keep_ids])
+        self.head = Int8Linear(weight[keep_ids]) if head is None else head
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [..., hidden] -> logits [..., vocab_size]
@@ -317,7 +318,7 @@ class Int8RestrictedHead(nn.Module):
         return logits.index_copy_(-1, self.keep_ids, kept)
 
     def extra_repr(self) -> str:
-        return f"{self.keep_ids.numel()} of {self.vocab_size} ids, int8 per-channel"
+        return f"{self.keep_ids.numel()} of {self.vocab_size} ids"
 
 
 def head_keep_ids(vocab_size: int, head_vocab: int, always: list[int], ranking=None) -> torch.Tensor:
