@@ -4,6 +4,7 @@ to some ids (-inf elsewhere); where llama-cpp-python installs, the model's decod
 calls run as one ggml graph over those blocks, a verification's rows its decode steps bit for bit."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -14,8 +15,9 @@ from specdec.runtime import kernels
 from specdec.runtime.models import load_model
 from specdec.runtime.quant import quantizations
 from specdec.runtime.quant.base import QuantizeContext
+from specdec.runtime.quant.int4 import Int4Linear
 from specdec.runtime.quant.int8 import Int8RestrictedHead, Int8WeightOnlyLinear
-from specdec.runtime.quant.q4_0 import q4_0_linear
+from specdec.runtime.quant.q4_0 import q4_0_codes, q4_0_linear
 from specdec.weights import tiny
 
 Q4_0 = GGMLQuantizationType.Q4_0
@@ -25,17 +27,29 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
-def test_a_layer_holds_ggufs_q4_0_blocks_of_its_weight_and_computes_their_values():
+@pytest.mark.parametrize("rows, kind", [(48, Int4Linear), (40, Int8WeightOnlyLinear)])
+def test_a_layer_holds_ggufs_q4_0_blocks_of_its_weight_and_computes_their_values(rows, kind):
     generator = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(48, 96, generator=generator), torch.randn(48, generator=generator)
+    weight, bias = torch.randn(rows, 96, generator=generator), torch.randn(rows, generator=generator)
     layer = q4_0_linear(weight, bias)
-    assert isinstance(layer, Int8WeightOnlyLinear) and layer.ggml_type == int(Q4_0)
+    # torch packs int4 rows in 16s: other row counts (a head cut to N ids and the special ones) run int8.
+    assert type(layer) is kind and layer.ggml_type == int(Q4_0)
     assert torch.equal(layer.gguf_blocks, torch.from_numpy(quantize(weight.numpy(), Q4_0)))
-    rounded = torch.from_numpy(dequantize(layer.gguf_blocks.numpy(), Q4_0).reshape(48, 96))
+    rounded = torch.from_numpy(dequantize(layer.gguf_blocks.numpy(), Q4_0).reshape(rows, 96))
     x = torch.randn(3, 96, generator=generator)
     with torch.no_grad():
-        assert relative_error(layer(x), x @ rounded.T + bias) < 0.01     # the blocks' values (int8 a row in torch)
+        assert relative_error(layer(x), x @ rounded.T + bias) < 0.01     # the blocks' values
         assert relative_error(layer(x), x @ weight.T + bias) < 0.15      # 4 bits of the weight
+        assert layer(x).dtype == torch.float32
+
+
+def test_an_int4_layer_takes_the_q4_0_codes_as_they_are():
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    blocks = quantize(weight.numpy(), Q4_0)
+    codes, d = q4_0_codes(blocks, 32, 64)
+    assert codes.dtype == np.uint8 and codes.max() <= 15 and d.shape == (32, 2)
+    values = (codes.astype(np.float32) - 8) * np.repeat(d, 32, axis=1)
+    assert np.array_equal(values, dequantize(blocks, Q4_0).reshape(32, 64))   # exact: no second rounding
 
 
 def test_the_draft_in_q4_0_its_head_cut_to_some_ids():
@@ -43,7 +57,7 @@ def test_the_draft_in_q4_0_its_head_cut_to_some_ids():
     cut = load_model("tiny-draft", quantize="q4_0", head_vocab=100)
     assert full.dtype == "fp32+q4_0"
     layers = [m for name, m in full.model.named_modules() if name.startswith("model.layers.")
-              and isinstance(m, Int8WeightOnlyLinear)]
+              and isinstance(m, Int4Linear)]
     assert len(layers) == 7 * tiny.DRAFT_LAYERS and all(m.ggml_type == int(Q4_0) for m in layers)
     head = cut.model.lm_head
     assert isinstance(head, Int8RestrictedHead) and head.head.ggml_type == int(Q4_0)

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 # Part of every entry's key. The saved module names its classes by import path:
 # raised whenever a quantized layer's class or module moves, or its saved state changes.
-FORMAT = 6
+FORMAT = 7
 FILE = "module.pt"
 
 

@@ -150,11 +150,11 @@ class Int4Linear(nn.Module):
 
     @staticmethod
     def concatenable(parts: list) -> bool:
-        """Whether `concat` can fuse these: Int4Linears sharing input size, dtype and
-        bias-ness, each but the last a whole number of the packing's 64-row blocks (a
+        """Whether `concat` can fuse these: Int4Linears sharing input size, dtype, bias-ness
+        and block type, each but the last a whole number of the packing's 64-row blocks (a
         partial block is packed differently, so it can only come last)."""
         return all(isinstance(p, Int4Linear) for p in parts) \
-            and len({(p.in_features, p.dtype, p.bias is None) for p in parts}) == 1 \
+            and len({(p.in_features, p.dtype, p.bias is None, p.ggml_type) for p in parts}) == 1 \
             and all(p.out_features % PACK_BLOCK_ROWS == 0 for p in parts[:-1])
 
     @classmethod
@@ -167,6 +167,7 @@ class Int4Linear(nn.Module):
         nn.Module.__init__(fused)
         fused.in_features, fused.out_features = parts[0].in_features, sum(p.out_features for p in parts)
         fused.dtype = parts[0].dtype
+        fused.ggml_type = parts[0].ggml_type    # Q4_K from a GGUF; Q4_0 rounded at load (quant/q4_0.py)
         fused.int8_activations = all(p.int8_activations for p in parts)
         fused.register_buffer("packed", torch.cat([p.packed for p in parts]))                # [N, K/2]
         fused.register_buffer("scales_and_zeros", torch.cat([p.scales_and_zeros for p in parts], dim=1))
