@@ -11,7 +11,6 @@ away, and answers UNAVAILABLE while the verifier is."""
 from __future__ import annotations
 
 import importlib.util
-
 import os
 import secrets
 import shutil

@@ -200,7 +200,8 @@ class _Graph:
         y = g.mul_mat(self.ctx, w, x)
         self.graph = g.new_graph(self.ctx, 4, False)
         g.build_forward(self.graph, y)
-        self.buffers = [place(tensor, memory) for tensor, memory in ((w, weight.blocks), (x, self.x), (y, self.y))]
+        self.buffers = [place_repacked(w, weight.blocks) if weight.repack else place(w, weight.blocks),
+                        place(x, self.x), place(y, self.y)]
         weakref.finalize(self, _release, self.ctx, list(self.buffers))
 
     def __call__(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -221,12 +222,15 @@ def _release(ctx, buffers) -> None:
 class GgmlLinear:
     """A GGUF tensor's blocks (uint8 [N, bytes per row], of ggml type `ggml_type`) as a
     matmul: __call__(x [M, K]) -> [M, N], fp32 unless `dtype` says otherwise (ggml computes
-    in fp32 either way; a decode step's few rows convert once, on the copy out)."""
+    in fp32 either way; a decode step's few rows convert once, on the copy out). With `repack`
+    (where `repackable`), ggml holds a copy laid out for its repacked kernels."""
 
-    def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int):
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, repack: bool = False):
         assert blocks.dtype == torch.uint8 and blocks.dim() == 2, (blocks.dtype, blocks.shape)
         self.blocks = aligned(blocks)
         self.ggml_type, self.in_features, self.out_features = int(ggml_type), int(in_features), blocks.shape[0]
+        self.repack = repack
+        self.chunk_rows = REPACK_ROWS if repack else CHUNK_ROWS   # rows a graph, each row computed alone
         self.nbytes = self.blocks.numel()
         self._graphs: dict[int, _Graph] = {}
 
@@ -238,11 +242,11 @@ class GgmlLinear:
 
     def __call__(self, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         follow_threads()
-        rows = x.shape[0]
-        if rows <= CHUNK_ROWS:
+        rows, chunk = x.shape[0], self.chunk_rows
+        if rows <= chunk:
             return self._graph(rows)(x, dtype)
-        return torch.cat([self._graph(min(CHUNK_ROWS, rows - start))(x[start:start + CHUNK_ROWS], dtype)
-                          for start in range(0, rows, CHUNK_ROWS)])
+        return torch.cat([self._graph(min(chunk, rows - start))(x[start:start + chunk], dtype)
+                          for start in range(0, rows, chunk)])
 
     def rows_alone(self, probe: torch.Tensor) -> bool:
         """Whether each row of a call of 2..CHUNK_ROWS rows comes out as it does in a one-row
@@ -302,23 +306,9 @@ def probe_blocks(ggml_type: int, rows: int, cols: int) -> torch.Tensor:
 
 
 def probe_repacked(blocks: torch.Tensor, ggml_type: int, x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] times the weight of `blocks` (uint8 [N, bytes per row]) repacked, in one graph."""
-    g = lib()
-    follow_threads()
-    ctx = g.init(_InitParams(3 * g.tensor_overhead() + g.graph_overhead(4, False) + 1024, None, True))
-    w = g.new_tensor_2d(ctx, ggml_type, x.shape[1], blocks.shape[0])
-    xt = g.new_tensor_2d(ctx, _F32, x.shape[1], x.shape[0])
-    yt = g.mul_mat(ctx, w, xt)
-    graph = g.new_graph(ctx, 4, False)
-    g.build_forward(graph, yt)
-    y = torch.zeros(x.shape[0], blocks.shape[0])
-    x = aligned(x.float())
-    buffers = [place_repacked(w, aligned(blocks)), place(xt, x), place(yt, y)]
-    ok = g.compute(g.backend, graph) == 0
-    _release(ctx, buffers)
-    if not ok:
-        raise RuntimeError("ggml's graph compute failed")
-    return y
+    """x [M, K] (M <= REPACK_ROWS) times the weight of `blocks` (uint8 [N, bytes per row]) repacked."""
+    assert x.shape[0] <= REPACK_ROWS, x.shape
+    return GgmlLinear(blocks, ggml_type, x.shape[1], repack=True)(x)
 
 
 @functools.cache

@@ -147,10 +147,9 @@ class GraphForward:
         self.lean = lean
         self.base = _rope_base(lean)
         self.layers = [_Layer(layer) for layer in lean.layers]
-        # A head cut to some ids (a draft's) computes those rows; the others' logits are -inf.
-        self.head_ids = getattr(lean.lm_head, "keep_ids", None)
-        self.vocab = getattr(lean.lm_head, "vocab_size", None) if self.head_ids is not None else None
-        self.head = _Weight(lean.lm_head if self.head_ids is None else lean.lm_head.head)
+        # A head cut to some ids (a draft's) computes those rows; its `scatter` sets the others to -inf.
+        self.restricted = lean.lm_head if hasattr(lean.lm_head, "keep_ids") else None
+        self.head = _Weight(lean.lm_head if self.restricted is None else lean.lm_head.head)
         self.norm = _norm_weight(lean.norm)
         self.eps = float(lean.norm.variance_epsilon)
         self.heads, self.kv_heads, self.dim = lean.heads, lean.kv_heads, lean.head_dim
@@ -310,10 +309,7 @@ class GraphForward:
         logits = torch.empty(len(kept), self.head.out_features)
         if out is not None:
             ctypes.memmove(logits.data_ptr(), a.get_data(out), logits.numel() * 4)
-        if self.head_ids is not None:
-            full = torch.full((len(kept), self.vocab), float("-inf"))
-            logits = full.index_copy_(1, self.head_ids, logits)
-        return logits
+        return logits if self.restricted is None else self.restricted.scatter(logits)
 
 
 # --- the lean forward's calls on the graph, and the choice of it -------------------------

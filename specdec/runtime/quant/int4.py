@@ -123,9 +123,11 @@ class Int4Linear(nn.Module):
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                  bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16,
-                 int8_activations: bool = False, blocks: torch.Tensor | None = None):
+                 int8_activations: bool = False, blocks: torch.Tensor | None = None, ggml_type: int | None = None):
         super().__init__()
         self.int8_activations = int8_activations
+        if ggml_type is not None:    # blocks of another type than a GGUF's Q4_K (quant/q4_0.py's Q4_0)
+            self.ggml_type = int(ggml_type)
         out_features, in_features = codes.shape                                     # codes [N, K] 0..15
         assert scale.shape == minimum.shape == (out_features, in_features // GROUP), (scale.shape, codes.shape)
         self.in_features, self.out_features = in_features, out_features

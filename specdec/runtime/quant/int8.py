@@ -312,8 +312,12 @@ class Int8RestrictedHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [..., hidden] -> logits [..., vocab_size]
-        kept = self.head(hidden)
-        logits = torch.full((*hidden.shape[:-1], self.vocab_size), float("-inf"), dtype=kept.dtype,
+        return self.scatter(self.head(hidden))
+
+    def scatter(self, kept: torch.Tensor) -> torch.Tensor:
+        """The kept ids' logits [..., K] -> [..., vocab_size], -inf at every other id (also
+        for the ggml graph, which computes the head's rows itself)."""
+        logits = torch.full((*kept.shape[:-1], self.vocab_size), float("-inf"), dtype=kept.dtype,
                             device=kept.device)
         return logits.index_copy_(-1, self.keep_ids, kept)
 

@@ -63,8 +63,7 @@ def q4_0_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Mo
         values = torch.from_numpy(dequantize(blocks, Q4_0).reshape(rows, cols))
         return Int8WeightOnlyLinear(values, bias, blocks=held, ggml_type=int(Q4_0))
     codes, d = (torch.from_numpy(a) for a in q4_0_codes(blocks, rows, cols))
-    layer = Int4Linear(codes, d, 8 * d, blocks=held)
-    layer.ggml_type = int(Q4_0)
+    layer = Int4Linear(codes, d, 8 * d, blocks=held, ggml_type=int(Q4_0))
     if bias is not None:    # fp32, as the draft computes (Int4Linear keeps its own dtype's)
         layer.bias = bias.detach().float()
     return layer
