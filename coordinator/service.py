@@ -27,6 +27,7 @@ from coordinator.backends import Backends, WatchSettings
 from coordinator.clients import RemoteDraftProposer
 from coordinator.engine import GenerationRequest, SpeculativeEngine
 from coordinator.gamma import CostModel
+from coordinator.gamma.bound import describe as describe_bound
 from coordinator.metrics import Metrics
 from coordinator.proposers import KINDS
 from coordinator.settings import DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P
@@ -115,6 +116,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         cost = CostModel.from_curves(list(draft.forward_ms) if draft else [], list(target.forward_ms),
                                      draft.prefill_ms_per_token if draft else 0.0)
         cost.frozen = not config.learn_costs
+        if len(target.forward_ms) >= 2:  # what the services' speed allows any draft, in the operator's log
+            log.info("%s", describe_bound(list(target.forward_ms),
+                                          draft.forward_ms[0] if draft and draft.forward_ms else None))
         self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids),
                                         self.metrics, on_proposer_failure=self._proposer_failed, cost=cost)
         # Recent outputs, one history per authenticated caller (LRU-bounded): a lookup

@@ -6,6 +6,8 @@
   scheduler   the same steps through the batching scheduler, called from another thread
   Decode RPC  the verifier service (its own process) over its Unix socket, 16 tokens a call
   Generate    the coordinator's target-only GenerateStream, from its first token to its last
+  Generate, spec-auto  the same with the default speculation (adaptive γ, lookups and the draft
+              model): where drafting does not pay, what its rounds cost over target-only's
 
 Each is ms per token after the same chat prompts (Spec-Bench dev questions): the
 pair's stack runs beside a copy of its target loaded in this process (as the
@@ -105,11 +107,11 @@ def over_rpc(verifier, coordinator, tokens: int) -> dict:
         finally:
             verifier.EndSession(common_pb2.EndSessionRequest(session_id=sid))
 
-    def generate(text: str) -> float:
+    def generate(text: str, speculate: bool = False) -> float:
         request = coordinator_pb2.GenerateRequest(max_new_tokens=tokens + 1, ignore_eos=True,
                                                   cache_salt=uuid.uuid4().hex)
         request.messages.messages.add(role="user", content=text)
-        request.speculation.enabled = False
+        request.speculation.enabled = speculate
         first, count = None, 0
         for message in coordinator.GenerateStream(request, timeout=600):
             if first is None and message.token_ids:
@@ -118,7 +120,8 @@ def over_rpc(verifier, coordinator, tokens: int) -> dict:
                 count += len(message.token_ids)
         return (time.perf_counter() - first) * 1e3 / max(count, 1)
 
-    return {"Decode RPC": decode, "Generate": generate}
+    return {"Decode RPC": decode, "Generate": generate,
+            "Generate, spec-auto": lambda text: generate(text, speculate=True)}
 
 
 def main() -> int:
@@ -144,7 +147,7 @@ def main() -> int:
             times = {name: [] for name in systems}
             for _ in range(args.repeats):
                 for name, run in systems.items():
-                    inputs = texts if name == "Generate" else prompts
+                    inputs = texts if name.startswith("Generate") else prompts
                     times[name].append(statistics.mean(run(x) for x in inputs))
     finally:
         stack.stop()

@@ -75,7 +75,14 @@ def test_bench_quick_on_the_tiny_pair(tmp_path, capsys):
     assert pick["best"] in ("spec-g2", "spec-g4", "spec-g6") and pick["auto_vs_best"] > 0
     assert "replica_vs_best" not in pick
 
+    # The services' curves as the run left them (their Info), and what they allow speculation.
+    curves = report["meta"]["curves"]
+    assert curves["verifier"]["forward_ms"] and all(ms > 0 for ms in curves["verifier"]["forward_ms"])
+    assert curves["drafter"]["forward_ms"] and curves["verifier"]["prefill_ms_per_token"] > 0
+    assert curves["bound"].startswith("speculation on the services' cost curves: a perfect free draft")
+
     table = (out / "bench.md").read_text()
+    assert "## the services' cost curves at the end of the run" in table and "Speculation on the services'" in table
     for heading in ("## coding, T=0", "## mt_bench, T=0", "## qa, T=0.7", "## all, T=0", "## best fixed gamma",
                     "prefill / draft / verify / overhead", "drafted / round", "first token ms (vs target-only)",
                     "ngram: share, acceptance", "draft bytes / token", "vs spec-auto-model"):

@@ -459,9 +459,36 @@ def steps_after(controller: GammaController, round: RoundRecord, times: int = 60
     return controller.decode_steps(16, looks_up=True)
 
 
+def decode_calls(cost: CostModel, overhead_ms: float, step_ms: float, times: int = 20) -> None:
+    """Decode calls of 1 and of 16 tokens that cost `overhead_ms` a call beyond their steps."""
+    for _ in range(times):
+        cost.observe_decode(1, overhead_ms + step_ms)
+        cost.observe_decode(16, overhead_ms + 16 * step_ms)
+
+
+def test_a_calls_overhead_is_told_from_decode_calls_of_different_lengths():
+    cost = CostModel.from_curves([22.0], MEASURED_INT4)
+    assert cost.call_overhead_ms() == pytest.approx(0.05 * MEASURED_INT4[0], rel=0.05)  # before any call
+    decode_calls(cost, 3.0, 36.0)
+    assert cost.call_overhead_ms() == pytest.approx(3.0, abs=0.3)
+    # A curve measured high at warm-up (a busy neighbour) does not make calls look free.
+    high = CostModel.from_curves([22.0], [60.0, 70.0])
+    decode_calls(high, 3.0, 36.0)
+    assert high.call_overhead_ms() == pytest.approx(3.0, abs=0.3)
+    # Calls of one length alone cannot split a from b: the prior's share of the call.
+    ones = CostModel.from_curves([22.0], [40.0])
+    for _ in range(40):
+        ones.observe_decode(1, 40.0)
+    assert 0 < ones.call_overhead_ms() < 0.1 * 40.0
+    frozen = CostModel.from_curves([22.0], [40.0])
+    frozen.frozen = True
+    decode_calls(frozen, 10.0, 30.0)
+    assert frozen.decode_calls.sw == 0
+
+
 def test_with_nothing_drafted_one_token_is_decoded_where_lookups_pay_for_the_call():
     controller = GammaController(16, ControllerState(cost=CostModel.from_curves([22.0], MEASURED_INT4)))
-    controller.state.cost.verify_curve.offset = 4.0  # ms a call costs beyond its forward
+    decode_calls(controller.state.cost, 4.0, MEASURED_INT4[0])  # ms a call costs beyond its forward
     controller.gamma, controller.rounds_at_zero = 0, 0
     assert controller.decode_steps(16, looks_up=True) == 1      # optimistic until lookups are measured
     assert controller.decode_steps(16, looks_up=False) == 8     # no lookups: to the next probe in one call
@@ -475,11 +502,33 @@ def test_lookups_whose_rows_cost_what_they_keep_do_not_make_rounds_decode_one_to
     # keeping 1 costs as much verify time as it saves, so decoding a token a round for the
     # next lookup only adds calls.
     controller = GammaController(16, ControllerState(cost=CostModel.from_curves([22.0], FP32_CURVE)))
-    controller.state.cost.verify_curve.offset = 4.0
+    decode_calls(controller.state.cost, 4.0, FP32_CURVE[0])
     controller.gamma, controller.rounds_at_zero = 0, 0
     assert steps_after(controller, lookup_round(2, 1, match=6, verify_ms=FP32_CURVE[2] + 4.0)) == 8
     # The same lookups keeping both tokens pay.
     assert steps_after(controller, lookup_round(2, 2, match=6, verify_ms=FP32_CURVE[2] + 4.0)) == 1
+
+
+def test_rounds_without_lookups_end_decoding_a_token_a_call_and_the_next_request_starts_there():
+    priors = GammaPriors(cost=CostModel.from_curves([22.0], MEASURED_INT4))
+    decode_calls(priors.cost, 2.0, MEASURED_INT4[0])
+    first = GammaController(16, priors.start(SamplingConfig()))
+    first.gamma, first.rounds_at_zero = 0, 0
+    assert first.decode_steps(16, looks_up=True) == 1             # optimistic: a lookup may come next token
+    nothing = RoundRecord(0, 0, 0, 0, False, 0.0, MEASURED_INT4[0] + 2.0)
+    calls = 0
+    while first.decode_steps(16, looks_up=True) == 1:
+        first.observe(nothing)
+        first.rounds_at_zero, calls = 0, calls + 1
+    assert 10 < calls < 60                                         # a token a call while the yield lasts
+    priors.finish(SamplingConfig(), first.state)
+    second = GammaController(16, priors.start(SamplingConfig()))
+    second.gamma, second.rounds_at_zero = 0, 0
+    assert second.decode_steps(16, looks_up=True) > 1             # what the first learned, the second starts from
+    assert GammaController(16, priors.start(SamplingConfig(temperature=0.7))).state.lookup_yield == 1.0  # per regime
+    # A lookup that keeps its tokens brings a token a call back.
+    second.observe(lookup_round(4, 4, match=8, verify_ms=MEASURED_INT4[4] + 2.0))
+    assert second.decode_steps(16, looks_up=True) == 1
 
 
 def test_plans_follow_the_curves_the_services_publish_again():

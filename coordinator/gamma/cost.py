@@ -101,6 +101,12 @@ class CostModel:
     # published ms per token) and is fitted to measured prefills: a StartSession's
     # fixed cost (the RPC, the session, the first token) is most of a short prompt's.
     draft_prefill: EwLinearFit | None = None
+    # A Decode call of n target tokens (a round that drafts nothing), a + b·n: a is what
+    # a call costs beyond its steps (the RPC, the round's bookkeeping), which decoding a
+    # token a call, to look a lookup up before each, pays per token. Rounds of one token
+    # and chunks of many tell a from b; the curve's offset cannot (a curve measured high
+    # at warm-up reads as a call that costs nothing, and every token then took a call).
+    decode_calls: EwLinearFit = field(default_factory=lambda: decode_line(()))
     # Plan on the services' published curves alone, never on measured rounds: the
     # choice of γ is then the same on every machine (tests, policy comparisons).
     frozen: bool = False
@@ -115,6 +121,7 @@ class CostModel:
             model.draft_curve = RowCurve(draft_ms)
         if verify_ms:
             model.verify_curve = RowCurve(verify_ms)
+            model.decode_calls = decode_line(verify_ms)
         return model
 
     def follow(self, draft_ms: Sequence[float] | None = None, verify_ms: Sequence[float] | None = None,
@@ -129,6 +136,8 @@ class CostModel:
                 self.verify_curve = RowCurve(verify_ms)
             else:
                 self.verify_curve.rebase(verify_ms)
+            if self.decode_calls.sw == 0:  # no Decode call measured yet: the line starts from the curve
+                self.decode_calls = decode_line(verify_ms)
         if draft_ms:
             self.draft_curve = RowCurve(draft_ms)
             if self.draft.sw == 0:  # no measured draft round yet: the line starts from the curve
@@ -164,6 +173,11 @@ class CostModel:
         else:
             self.verify.observe(gamma, verify_ms)
 
+    def observe_decode(self, steps: int, ms: float) -> None:
+        """A Decode call of `steps` target tokens, run alone in its forwards, took `ms`."""
+        if steps > 0 and not self.frozen:
+            self.decode_calls.observe(steps, ms)
+
     def verify_ms(self, gamma: int, calls: float = 1.0) -> float:
         """A round's verify cost at γ when `calls` calls share each forward, all of
         them with γ + 1 rows: this call's share of the batch."""
@@ -189,13 +203,21 @@ class CostModel:
         return self.draft_ms(gamma, calls) + self.verify_ms(gamma, calls)
 
     def call_overhead_ms(self) -> float:
-        """What a verifier call costs beyond its forward (RPC, sampling): the offset
-        measured rounds show over the curve (0 without a curve)."""
-        return max(self.verify_curve.offset, 0.0) if self.verify_curve is not None else 0.0
+        """What a verifier call costs beyond its forwards (RPC, sampling, the round's
+        bookkeeping): the fixed part of the Decode calls' line."""
+        return max(self.decode_calls.coefficients()[0], 0.0)
 
     def marginal_verify_ms(self, gamma: int, calls: float = 1.0) -> float:
         """What verifying one more draft token costs on top of γ of them."""
         return max(self.verify_ms(gamma + 1, calls) - self.verify_ms(gamma, calls), 0.0)
+
+
+def decode_line(verify_ms: Sequence[float]) -> EwLinearFit:
+    """A Decode call's cost before any is measured: a 1-row forward a token (100 ms
+    without a curve) and a twentieth of one for the call, that split the fit's weak
+    prior until calls of different lengths tell them apart."""
+    step = float(verify_ms[0]) if verify_ms else 100.0
+    return EwLinearFit(default=(0.05 * step, step), a_over_b=0.05)
 
 
 def prefill_line(draft_ms: Sequence[float], ms_per_token: float) -> EwLinearFit | None:

@@ -53,6 +53,9 @@ class ControllerState:
     calibration: Calibration = field(default_factory=Calibration)
     rounds: int = 0
     lookup: list[Acceptance] = field(default_factory=lookup_acceptances)  # [match bucket] lookup drafts
+    # EWMA over rounds: lookup tokens kept, less their rows' verify cost in target steps
+    # (0 in a round without a lookup); optimistic until measured
+    lookup_yield: float = 1.0
 
 
 class GammaController:
@@ -75,9 +78,6 @@ class GammaController:
         self.rounds_at_zero = 0
         self.probing = False
         self.lookup_skips = [0] * len(MATCH_BUCKETS)     # lookups not taken since one was, per bucket
-        # EWMA: lookup tokens kept per round (a lookup each), less their rows' verify cost in target
-        # steps; optimistic until measured
-        self.lookup_yield = 1.0
 
     def without_model(self) -> None:
         """The request goes on with free drafts alone: the model's γ is 0 for good."""
@@ -178,7 +178,7 @@ class GammaController:
         chunk = max(1, min(chunk, self.steps_until_probe()))
         if looks_up and self.calls() <= LOAD_ALONE:
             cost = self.state.cost
-            if self.lookup_yield * cost.verify_ms(0) > cost.call_overhead_ms():
+            if self.state.lookup_yield * cost.verify_ms(0) > cost.call_overhead_ms():
                 return 1
         return chunk
 
@@ -208,6 +208,8 @@ class GammaController:
         state.cost.observe(round.drafted, round.draft_ms, round.verify_ms / max(round.steps, 1),
                            draft_alone=round.draft_batch_calls <= LOAD_ALONE,
                            verify_alone=round.verify_batch_calls <= LOAD_ALONE, model_tokens=round.drafted_by(MODEL))
+        if round.drafted == 0 and round.verify_batch_calls <= LOAD_ALONE:
+            state.cost.observe_decode(round.steps, round.verify_ms)
         lookup_drafted, lookup_accepted = round.drafted_by(NGRAM), round.accepted_by(NGRAM)
         # What a lookup keeps, less what its rows cost the verifier beyond one step, in steps:
         # where each row costs nearly a step (a kernel whose cost grows with the rows), a lookup
@@ -217,7 +219,7 @@ class GammaController:
             step = state.cost.verify_ms(0)
             rows_cost = (state.cost.verify_ms(lookup_drafted) - step) / step if step > 0 else 0.0
             state.lookup[match_bucket(round.lookup_match)].observe(lookup_drafted, lookup_accepted)
-        self.lookup_yield += 0.1 * (lookup_accepted - rows_cost - self.lookup_yield)
+        state.lookup_yield += 0.1 * (lookup_accepted - rows_cost - state.lookup_yield)
         # The model's drafts were judged only if every lookup token before them was kept.
         if round.judged_from(MODEL):
             state.acceptance.observe(round.drafted_by(MODEL), round.accepted_by(MODEL))
@@ -267,6 +269,7 @@ class GammaPriors:
         self.acceptance: dict[str, Acceptance] = {}
         self.calibration: dict[str, Calibration] = {}
         self.lookup: dict[str, list[Acceptance]] = {}
+        self.lookup_yield: dict[str, float] = {}
         self.cost = cost or CostModel()
         self.rounds = 0
         self.curves: dict[str, object] = {}   # the services' latest published curves (follow)
@@ -303,7 +306,8 @@ class GammaPriors:
             acceptance = copy.deepcopy(self.acceptance.get(key, Acceptance())).capped(self.prior_weight)
             calibration = copy.deepcopy(self.calibration.get(key, Calibration()))
             lookup = [a.capped(self.prior_weight) for a in copy.deepcopy(self.lookup.get(key, lookup_acceptances()))]
-            return ControllerState(acceptance, copy.deepcopy(self.cost), calibration, self.rounds, lookup)
+            return ControllerState(acceptance, copy.deepcopy(self.cost), calibration, self.rounds, lookup,
+                                   self.lookup_yield.get(key, ControllerState.lookup_yield))
 
     def finish(self, sampling: SamplingConfig, state: ControllerState) -> None:
         with self.lock:
@@ -322,6 +326,8 @@ class GammaPriors:
             else:
                 for prior, new in zip(self.lookup[key], state.lookup):
                     _blend_acceptance(prior, new, self.blend)
+            prior_yield = self.lookup_yield.get(key, state.lookup_yield)
+            self.lookup_yield[key] = prior_yield + self.blend * (state.lookup_yield - prior_yield)
             self.cost = copy.deepcopy(state.cost)  # timings are shared by every regime
             self.cost.follow(**self.curves)
             self.rounds = max(self.rounds, state.rounds)

@@ -165,6 +165,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines.append(f"| {group} | " + " | ".join(cells) + " |")
     lines += ["", f"Within 5% of the best fixed γ, Spec-Bench tasks and temperatures: auto {meta['auto_within_5pct']}"
               + (f", replica {meta['replica_within_5pct']}" if replica else "") + "."]
+    if meta.get("curves"):
+        lines += ["", "## the services' cost curves at the end of the run", "",
+                  "| service | ms by rows 1, 2, 3, … | prefill ms / token |", "|---|---|---|"]
+        lines += [f"| {name} | {', '.join(f'{ms:g}' for ms in curve['forward_ms'])} | "
+                  f"{curve['prefill_ms_per_token']:g} |" for name, curve in meta["curves"].items() if name != "bound"]
+        bound = meta["curves"]["bound"]
+        lines += ["", bound[:1].upper() + bound[1:] + "."]
     return "\n".join(lines) + "\n"
 
 

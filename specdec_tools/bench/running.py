@@ -19,7 +19,7 @@ from specdec_tools.bench.data import (AUTO, AUTO_BF16, AUTO_MODEL, AUTO_NOSTOP, 
                                       TARGET_ONLY_BF16, load_questions, task_of)
 from specdec_tools.bench.report import (best_gamma, chart, markdown, summarize, turn_markdown, turn_summary,
                                         within)
-from specdec_tools.bench.systems import InProcessSystems, LlamaCppSystems, ServiceSystems, chat_ids
+from specdec_tools.bench.systems import InProcessSystems, LlamaCppSystems, ServiceSystems, chat_ids, service_curves
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"({run.tokens_per_second:.2f} tok/s)")
         services.close()
         progress.close()
+        curves = service_curves(stack, say)
     finally:
         for one in stacks:
             one.stop()
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 systems=systems, wall_s=time.perf_counter() - started,
                 temperature_keys=[f"T={t:g}" for t in temperatures], best_gamma=picks,
                 auto_within_5pct=within(picks, tasks, "auto_vs_best"),
-                replica_within_5pct=within(picks, tasks, "replica_vs_best"),
+                replica_within_5pct=within(picks, tasks, "replica_vs_best"), curves=curves,
                 median_tokens_per_second={s: statistics.median(r.tokens_per_second for r in runs if r.system == s)
                                           for s in systems})
     args.out.mkdir(parents=True, exist_ok=True)

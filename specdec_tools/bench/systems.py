@@ -8,12 +8,38 @@ import numpy as np
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from coordinator.clients import DrafterClient, VerifierClient
+from coordinator.gamma.bound import describe as describe_bound
 from specdec.runtime import torch_thread
 from specdec.runtime.models import LoadedModel
+from specdec.rpc.errors import RemoteError
 from specdec.rpc.serving import channel
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from specdec_tools.launcher import BACKEND_TOKEN_ENV
 from specdec_tools.bench.data import (AUTO, AUTO_MODEL, AUTO_NOSTOP, BF16, HF_ASSISTED, LLAMA_CPP, LLAMA_CPP_DRAFT,
                                       LLAMA_CPP_SPEC, Question, REPLICA, Run, TARGET_ONLY)
+
+
+def service_curves(stack, say) -> dict:
+    """The model services' cost curves as the run leaves them (each service keeps its
+    own current from the forwards it serves), and what they allow speculation; {} where
+    a service does not answer (said, and the run's results are kept)."""
+    token = stack.env.get(BACKEND_TOKEN_ENV)
+    curves = {}
+    for name, client_cls in (("drafter", DrafterClient), ("verifier", VerifierClient)):
+        client = client_cls(stack.child(name).address, token=token)
+        try:
+            info = client.info()
+        except RemoteError as exc:
+            say(f"no cost curves in the report: the {name}'s Info failed ({exc})")
+            return {}
+        finally:
+            client.close()
+        curves[name] = dict(forward_ms=[round(ms, 2) for ms in info.forward_ms],
+                            prefill_ms_per_token=round(info.prefill_ms_per_token, 3))
+    draft = curves["drafter"]["forward_ms"]
+    curves["bound"] = describe_bound(curves["verifier"]["forward_ms"], draft[0] if draft else None)
+    return curves
 
 
 class ServiceSystems:

@@ -1,0 +1,79 @@
+"""What speculation can pay on the services' cost curves, before any round runs.
+
+A round of γ drafts, each kept with probability α, yields E = 1 + α + … + α^γ
+tokens for γ draft steps and one verification of γ + 1 rows, so over
+target-only decoding it speeds a token up by
+
+    speedup(γ, α) = E · T(1) / (γ · draft_ms + T(γ + 1)),
+
+T the verifier's forward by rows. With a perfect free draft (α = 1, draft_ms = 0)
+this is (γ + 1) · T(1) / T(γ + 1): where each verified row costs nearly a step,
+no draft, however good, pays much. The break-even acceptance is the least α at
+which some γ reaches 1×: free lookups need α past it, the draft model past its
+own (its steps cost). The coordinator logs these at start; `specdec bench`
+reports them from the curves of its run."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from specdec.runtime.cost_curve import RowCost
+
+
+def forward_ms(verify_ms: Sequence[float], rows: int) -> float:
+    """The verifier's forward over `rows`: as measured within the curve, past it the
+    curve's own extrapolation."""
+    return float(verify_ms[rows - 1]) if rows <= len(verify_ms) else RowCost(verify_ms)(rows)
+
+
+def expected_tokens(gamma: int, acceptance: float) -> float:
+    """Tokens a round of `gamma` drafts yields, each draft kept with probability
+    `acceptance` given the ones before it were: 1 + α + … + α^γ."""
+    assert gamma >= 0 and 0.0 <= acceptance <= 1.0, (gamma, acceptance)
+    return sum(acceptance ** i for i in range(gamma + 1))
+
+
+def speedup(verify_ms: Sequence[float], gamma: int, draft_ms: float = 0.0, acceptance: float = 1.0) -> float:
+    """Target-only's ms per token over speculation's at `gamma` drafts a round, on a
+    verifier cost curve `verify_ms` [ms of a forward over 1..N rows]; `draft_ms` a
+    draft step."""
+    assert verify_ms and draft_ms >= 0.0, (verify_ms, draft_ms)
+    return (expected_tokens(gamma, acceptance) * forward_ms(verify_ms, 1)
+            / (gamma * draft_ms + forward_ms(verify_ms, gamma + 1)))
+
+
+def best_speedup(verify_ms: Sequence[float], draft_ms: float = 0.0, acceptance: float = 1.0,
+                 gamma_max: int | None = None) -> tuple[float, int]:
+    """The best speedup over γ in [1, gamma_max] (default: the curve's rows - 1, at
+    least 1), and that γ."""
+    top = gamma_max if gamma_max is not None else max(len(verify_ms) - 1, 1)
+    return max((speedup(verify_ms, g, draft_ms, acceptance), g) for g in range(1, top + 1))
+
+
+def break_even_acceptance(verify_ms: Sequence[float], draft_ms: float = 0.0,
+                          gamma_max: int | None = None, tolerance: float = 1e-3) -> float | None:
+    """The least acceptance at which some γ reaches target-only's speed (None: not
+    even a perfect draft does). Speedup grows with acceptance, so a bisection."""
+    if best_speedup(verify_ms, draft_ms, 1.0, gamma_max)[0] < 1.0:
+        return None
+    low, high = 0.0, 1.0
+    while high - low > tolerance:
+        mid = (low + high) / 2
+        low, high = (low, mid) if best_speedup(verify_ms, draft_ms, mid, gamma_max)[0] >= 1.0 else (mid, high)
+    return high
+
+
+def describe(verify_ms: Sequence[float], draft_ms: float | None = None) -> str:
+    """One line for the log and the bench: the ceiling and the break-even acceptances."""
+    if len(verify_ms) < 2:
+        return "speculation's bound needs the verifier's cost curve over at least 2 rows"
+    ceiling, gamma = best_speedup(verify_ms)
+    parts = [f"a perfect free draft would give at most {ceiling:.2f}x target-only (γ={gamma}: "
+             f"{gamma + 1} rows verified in {forward_ms(verify_ms, gamma + 1):.1f} ms, one in {verify_ms[0]:.1f})"]
+    drafts = [("free lookups", 0.0)] + ([] if draft_ms is None else
+                                        [(f"the draft model ({draft_ms:.1f} ms a step)", draft_ms)])
+    for name, cost in drafts:
+        alpha = break_even_acceptance(verify_ms, cost)
+        parts.append(f"{name}: from acceptance {alpha:.2f}" if alpha is not None else
+                     f"{name}: at no acceptance")
+    return "speculation on the services' cost curves: " + "; ".join(parts[:1]) + "; it pays with " + \
+        ", ".join(parts[1:])
