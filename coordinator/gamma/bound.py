@@ -16,13 +16,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specdec.runtime.cost_curve import RowCost
-
-
-def forward_ms(verify_ms: Sequence[float], rows: int) -> float:
-    """The verifier's forward over `rows`: as measured within the curve, past it the
-    curve's own extrapolation."""
-    return float(verify_ms[rows - 1]) if rows <= len(verify_ms) else RowCost(verify_ms)(rows)
+from coordinator.gamma.cost import RowCurve
 
 
 def expected_tokens(gamma: int, acceptance: float) -> float:
@@ -37,8 +31,8 @@ def speedup(verify_ms: Sequence[float], gamma: int, draft_ms: float = 0.0, accep
     verifier cost curve `verify_ms` [ms of a forward over 1..N rows]; `draft_ms` a
     draft step."""
     assert verify_ms and draft_ms >= 0.0, (verify_ms, draft_ms)
-    return (expected_tokens(gamma, acceptance) * forward_ms(verify_ms, 1)
-            / (gamma * draft_ms + forward_ms(verify_ms, gamma + 1)))
+    forward = RowCurve(verify_ms)   # as the controller plans verify time before any round
+    return expected_tokens(gamma, acceptance) * forward(1) / (gamma * draft_ms + forward(gamma + 1))
 
 
 def best_speedup(verify_ms: Sequence[float], draft_ms: float = 0.0, acceptance: float = 1.0,
@@ -67,13 +61,12 @@ def describe(verify_ms: Sequence[float], draft_ms: float | None = None) -> str:
     if len(verify_ms) < 2:
         return "speculation's bound needs the verifier's cost curve over at least 2 rows"
     ceiling, gamma = best_speedup(verify_ms)
-    parts = [f"a perfect free draft would give at most {ceiling:.2f}x target-only (γ={gamma}: "
-             f"{gamma + 1} rows verified in {forward_ms(verify_ms, gamma + 1):.1f} ms, one in {verify_ms[0]:.1f})"]
     drafts = [("free lookups", 0.0)] + ([] if draft_ms is None else
                                         [(f"the draft model ({draft_ms:.1f} ms a step)", draft_ms)])
+    pays = []
     for name, cost in drafts:
         alpha = break_even_acceptance(verify_ms, cost)
-        parts.append(f"{name}: from acceptance {alpha:.2f}" if alpha is not None else
-                     f"{name}: at no acceptance")
-    return "speculation on the services' cost curves: " + "; ".join(parts[:1]) + "; it pays with " + \
-        ", ".join(parts[1:])
+        pays.append(f"{name}: from acceptance {alpha:.2f}" if alpha is not None else f"{name}: at no acceptance")
+    return (f"speculation on the services' cost curves: a perfect free draft would give at most {ceiling:.2f}x "
+            f"target-only (γ={gamma}: {gamma + 1} rows verified in {RowCurve(verify_ms)(gamma + 1):.1f} ms, one in "
+            f"{verify_ms[0]:.1f}); it pays with " + ", ".join(pays))
