@@ -187,6 +187,9 @@ class Backends:
                                                              self.target_info.vocab_size):
             raise FailedPrecondition(f"the verifier now serves {info.model} with another tokenizer; restart the "
                                      "coordinator to serve it")
+        if info.synthetic_acceptance != self.target_info.synthetic_acceptance:  # stamped on every response's stats
+            raise FailedPrecondition("the verifier now runs another --synthetic-acceptance; restart the coordinator "
+                                     "to serve it")
 
     @property
     def drafter_up(self) -> bool:

@@ -76,6 +76,7 @@ class Stats:
     sources: dict[str, "SourceCount"] = field(default_factory=dict)  # per draft source, those that drafted
     draft_bytes: int = 0           # draft data sent to the verifier
     drafting_rounds: int = 0
+    synthetic_acceptance: float = 0.0  # the verifier's benchmark setting: this output is not the target's
 
     def record(self, round: RoundRecord) -> None:
         self.rounds += 1
@@ -155,8 +156,9 @@ class SpeculativeEngine:
     def __init__(self, verifier: VerifierClient, tokenizer, eos_token_ids: tuple[int, ...],
                  metrics: Metrics | None = None,
                  on_proposer_failure: Callable[[ProposerUnavailable], None] = lambda exc: None,
-                 cost: CostModel | None = None):
+                 cost: CostModel | None = None, synthetic_acceptance: float = 0.0):
         self.verifier = verifier
+        self.synthetic_acceptance = synthetic_acceptance  # the verifier's benchmark setting, stamped on every stats
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         # What earlier requests learned about γ, starting from the services' cost curves.
@@ -177,7 +179,7 @@ class SpeculativeEngine:
         Stops within one round of the caller cancelling or its deadline passing.
         Both sessions are ended however the generator is left (done, error, cancel)."""
         stats = Stats(prompt_tokens=len(request.prompt_ids), gamma=request.gamma_max if proposer else 0,
-                      fallback=fallback)
+                      fallback=fallback, synthetic_acceptance=self.synthetic_acceptance)
         eos = () if request.ignore_eos else self.eos_token_ids
         g = Generation(session_id or uuid.uuid4().hex, request, stats,
                        OutputAccumulator(self.tokenizer, eos, request.max_new_tokens, request.stop), timeout, proposer)

@@ -119,8 +119,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if len(target.forward_ms) >= 2:  # what the services' speed allows any draft, in the operator's log
             log.info("%s", describe_bound(list(target.forward_ms),
                                           draft.forward_ms[0] if draft and draft.forward_ms else None))
+        if target.synthetic_acceptance:
+            log.warning("the verifier runs the BENCHMARK SETTING --synthetic-acceptance %.2f: drafts are accepted at "
+                        "that rate whatever the models say, so output is not the target's; every response's stats "
+                        "carry synthetic_acceptance", target.synthetic_acceptance)
         self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids),
-                                        self.metrics, on_proposer_failure=self._proposer_failed, cost=cost)
+                                        self.metrics, on_proposer_failure=self._proposer_failed, cost=cost,
+                                        synthetic_acceptance=target.synthetic_acceptance)
         # Recent outputs, one history per authenticated caller (LRU-bounded): a lookup
         # drafts from them, which shows in timing and stats, so a caller searches its own.
         self._recent: OrderedDict[str, RecentOutputs] = OrderedDict()

@@ -1,7 +1,10 @@
 """scripts/gpu_check.sh on this machine: without CUDA it says so in one line and
-runs the same checks on the CPU, so the script a GPU session runs is known to work."""
+runs every section on the CPU on small shapes, so the script a GPU session runs
+is known to work, and its table (markdown and JSON) holds what each section
+measured."""
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -10,18 +13,59 @@ import sys
 import pytest
 import torch
 
+from specdec_tools.gpu import shapes
+from specdec_tools.gpu.steps import ROWS
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.integration
-def test_the_gpu_check_runs_its_quick_checks_and_prints_one_table():
-    result = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--quick"], capture_output=True, text=True,
-                            timeout=600, env={**os.environ, "PYTHON": sys.executable})
+def test_the_gpu_check_runs_every_section_and_writes_one_table(tmp_path):
+    # No payload: the small shapes over the tiny tokenizer, as on a fresh clone (CI).
+    result = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--quick", "--payload", str(tmp_path / "none"),
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "PYTHON": sys.executable})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        assert result.stdout.splitlines()[0] == "gpu_check: no CUDA device here; running the same checks with --device cpu"
-    table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
-    assert table[0].startswith(f"| check ({device}) |")
-    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1] for line in table[1:]}
-    assert rows == {"device": "ok", "tiny pair, greedy = target-only": "ok", "chi-square, 2000 sampled runs": "ok"}
+    if not torch.cuda.is_available():
+        assert result.stdout.splitlines()[0].startswith("gpu_check: no CUDA device here")
+    table = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    sections = {k: v for k, v in table.items() if k != "meta"}
+    assert {name: s["status"] for name, s in sections.items()} == dict.fromkeys(
+        ["environment", "tiny pair greedy", "step costs", "argmax, k rows against 1", "services", "chi-square"], "ok")
+    steps = sections["step costs"]["value"]
+    assert [s["label"] for s in steps] == ["draft bf16", "draft INT8", "target 1.5B bf16", "target 7B bf16"]
+    for step in steps:
+        assert [int(n) for n in step["rows_ms"]] == list(ROWS) and min(step["rows_ms"].values()) > 0, step
+        assert step["launches"] > 0 and step["prefill_ms_per_token"] > 0
+    # Each model has the vocabulary padding of its family: the 7B's is wider, over one tokenizer.
+    configs = {name: json.loads((pathlib.Path(m) / "config.json").read_text())
+               for name, m in ((s["label"], s["model"]) for s in steps)}
+    assert configs["target 7B bf16"]["vocab_size"] > configs["target 1.5B bf16"]["vocab_size"]
+    pairs = sections["services"]["value"]
+    assert [p["pair"] for p in pairs] == ["0.5B -> 1.5B", "0.5B -> 7B"]
+    for pair in pairs:
+        assert pair["draft_curve"] and len(pair["verify_curve"]) >= 5 and not pair["skipped"]
+        runs = {r["system"]: r for r in pair["runs"]}
+        assert list(runs) == ["target-only", "γ=1", "γ=2", "γ=4", "auto"]
+        assert all(r["synthetic"] == pytest.approx(0.8) and r["ms_per_token"] > 0 for r in runs.values())
+        assert runs["γ=4"]["gamma_last"] == 4 and 1.0 < runs["γ=4"]["mean_accepted_length"] <= 5.0
+        assert runs["γ=1"]["rpc_ms_per_round"] is not None
+    assert sections["chi-square"]["value"]["runs"] == 2000
+    markdown = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert "| model | B params |" in markdown and "bound.py on the services' curves" in markdown
+
+
+def test_the_seven_b_config_is_the_families_with_the_seven_b_shape():
+    target = {"hidden_size": 1536, "num_hidden_layers": 28, "layer_types": ["full_attention"] * 28,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "tie_word_embeddings": True,
+              "vocab_size": 151936, "num_attention_heads": 12, "num_key_value_heads": 2, "intermediate_size": 8960}
+    seven = shapes.seven_b_config(target)
+    assert (seven["hidden_size"], seven["num_hidden_layers"], seven["num_attention_heads"],
+            seven["num_key_value_heads"], seven["intermediate_size"], seven["vocab_size"]) == \
+        (3584, 28, 28, 4, 18944, 152064)
+    assert seven["tie_word_embeddings"] is False and seven["rope_parameters"]["rope_theta"] == 1e6
+    assert 7.5 < shapes.parameters(seven) < 7.7     # Qwen2.5-7B: 7.61B
+    assert target["hidden_size"] == 1536            # the 1.5B's config is left as it was
+    small = shapes.small(seven, tokenizer_vocab=512, padding=136)
+    assert small["num_hidden_layers"] == len(small["layer_types"]) == 2 and small["vocab_size"] == 648
+    assert small["num_attention_heads"] % small["num_key_value_heads"] == 0

@@ -177,6 +177,10 @@ def test_split_mode_uses_mutual_tls_between_the_deployments():
     ({"verifier": {"device": "tpu"}}, "device"),
     ({"models": {"cache": {"type": "existingClaim"}}}, "existingClaim"),
     ({"replicas": 2}, "replicas"),                           # a typo'd key
+    # The benchmark-only settings never reach a served model, whatever the operator passes on.
+    ({"verifier": {"extraArgs": ["--synthetic-acceptance", "0.8"]}}, "extraArgs"),
+    ({"verifier": {"extraArgs": ["--synthetic-acceptance=0.8"]}}, "extraArgs"),
+    ({"drafter": {"extraArgs": ["--random-weights", "1"]}}, "extraArgs"),
 ])
 def test_schema_refuses_bad_values_with_the_key_named(bad, message):
     chart = helm.Chart.load(str(CHART))

@@ -273,3 +273,19 @@ def _judged_one_row_late(draft_ids, draft_probs, target_probs, generator):
 def test_the_test_has_power_an_off_by_one_fails():
     counts = _tokens_by_position(_judged_one_row_late, seed=31)
     assert min(_chi_square_p(counts[p], TARGETS[p]) for p in range(len(TARGETS))) < 1e-6
+
+
+@pytest.mark.parametrize("acceptance", [0.6, 0.9])
+def test_synthetic_acceptance_keeps_each_draft_at_its_rate(acceptance):
+    """The benchmark verdict's accepted count is geometric, cut at gamma: P(k) =
+    a^k (1 - a) for k < gamma, and a^gamma when every draft is kept."""
+    from specdec.spec.rejection import synthetic_num_accepted
+    gamma, runs = 4, 20_000
+    generator = torch.Generator().manual_seed(7)
+    counts = np.bincount([synthetic_num_accepted(gamma, acceptance, generator) for _ in range(runs)],
+                         minlength=gamma + 1)
+    expected = np.array([acceptance ** k * (1 - acceptance) for k in range(gamma)] + [acceptance ** gamma])
+    assert stats.chisquare(counts, expected * runs).pvalue > ALPHA
+    assert synthetic_num_accepted(0, acceptance, generator) == 0
+    with pytest.raises(AssertionError):
+        synthetic_num_accepted(gamma, 0.0, generator)

@@ -9,7 +9,8 @@ import pytest
 
 import coordinator.__main__
 from coordinator.settings import SETTINGS
-from specdec.service.settings import MODEL_SETTINGS, SERVICES, model_service_parser, up_passthrough as model_passthrough
+from specdec.service.settings import (SERVICES, model_service_parser, service_settings,
+                                     up_passthrough as model_passthrough)
 from specdec_tools.cli import coordinator_passthrough, parser as cli_parser
 from tests.test_helm import VARIATIONS, by_kind, containers, render
 
@@ -50,7 +51,8 @@ def test_the_chart_sets_every_setting_it_is_declared_to(name):
     rendered = {}
     for deployment in by_kind(render(VARIATIONS[name]), "Deployment"):
         rendered.update(containers(deployment))
-    declared = {"coordinator": SETTINGS, "drafter": MODEL_SETTINGS, "verifier": MODEL_SETTINGS}
+    declared = {"coordinator": SETTINGS, "drafter": service_settings("drafter"),
+                "verifier": service_settings("verifier")}
     for container, settings in declared.items():
         flags = {a.split("=", 1)[0] for a in rendered[container]["args"]}
         missing = [s.flag for s in settings if s.chart and s.flag not in flags]
@@ -72,8 +74,8 @@ def test_specdec_up_hands_each_of_its_coordinator_settings_on_as_given(setting):
     assert getattr(coordinator_args, setting.dest) == expected
 
 
-@pytest.mark.parametrize("service", SERVICES)
-@pytest.mark.parametrize("setting", [s for s in MODEL_SETTINGS if s.up], ids=lambda s: s.flag)
+@pytest.mark.parametrize("service,setting", [(service, s) for service in SERVICES for s in service_settings(service)
+                                             if s.up], ids=lambda x: x if isinstance(x, str) else x.flag)
 def test_specdec_up_hands_each_model_service_setting_to_that_service_as_given(setting, service):
     choices = setting.options.get("choices")
     given = choices[-1] if choices else SAMPLES[setting.options.get("type")]

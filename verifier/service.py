@@ -1,6 +1,7 @@
 """The Verifier gRPC servicer: proto -> domain -> proto, nothing more."""
 from __future__ import annotations
 
+import functools
 import logging
 
 from specdec.rpc.errors import InvalidArgument
@@ -8,7 +9,7 @@ from specdec.service.model_service import ModelServiceBase, serve_model
 from specdec.spec.limits import MAX_PROPOSE_TOKENS, validate_token_ids
 from specdec.runtime.models import LoadedModel
 from specdec.rpc.serving import RunningServer
-from specdec.v1 import verifier_pb2, verifier_pb2_grpc
+from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.spec.wire import draft_probs_from_proto, sampling_from_proto
 from specdec.spec.draft_probs import draft_probs_tensor
 
@@ -20,6 +21,15 @@ MAX_DECODE_TOKENS = 4096
 
 
 class VerifierServicer(ModelServiceBase[TargetSession], verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, *args, synthetic_acceptance: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.synthetic_acceptance = synthetic_acceptance  # the benchmark setting (0: off, lossless)
+
+    def Info(self, request, context) -> common_pb2.ModelInfo:
+        info = super().Info(request, context)
+        info.synthetic_acceptance = self.synthetic_acceptance
+        return info
+
     # Each call's torch work (decoding the draft's probabilities included) runs on
     # the torch thread as steps of the scheduler, its forward batched with other sessions'.
     def Verify(self, request, context) -> verifier_pb2.VerifyResponse:
@@ -35,7 +45,7 @@ class VerifierServicer(ModelServiceBase[TargetSession], verifier_pb2_grpc.Verifi
         def steps(session: TargetSession):
             # Per token (sparse, dense or one-hot: a round may mix sources), validated.
             draft_probs = None if sampling.greedy else draft_probs_tensor(entries, draft, self.loaded.vocab_size)
-            return (yield from session.verify_steps(draft, draft_probs, sampling))
+            return (yield from session.verify_steps(draft, draft_probs, sampling, self.synthetic_acceptance))
 
         with self.session(request.session_id) as session:
             out, batch = self.run_call(steps(session))
@@ -51,6 +61,12 @@ class VerifierServicer(ModelServiceBase[TargetSession], verifier_pb2_grpc.Verifi
         return verifier_pb2.DecodeResponse(token_ids=tokens, batch=batch)
 
 
-def serve(loaded: LoadedModel, **kwargs) -> RunningServer:
-    return serve_model(VerifierServicer, TargetSession, verifier_pb2_grpc.add_VerifierServicer_to_server, SERVICE_NAME,
+def serve(loaded: LoadedModel, synthetic_acceptance: float = 0.0, **kwargs) -> RunningServer:
+    if not 0.0 <= synthetic_acceptance <= 1.0:
+        raise ValueError(f"--synthetic-acceptance must be in (0, 1] (0: off), got {synthetic_acceptance}")
+    if synthetic_acceptance:
+        log.warning("BENCHMARK SETTING --synthetic-acceptance %.2f: every draft token is accepted with this "
+                    "probability whatever the models say; output is NOT the target's, and every response's "
+                    "stats say so", synthetic_acceptance)
+    return serve_model(functools.partial(VerifierServicer, synthetic_acceptance=synthetic_acceptance), TargetSession, verifier_pb2_grpc.add_VerifierServicer_to_server, SERVICE_NAME,
                        loaded, **kwargs)

@@ -9,7 +9,7 @@ from specdec.runtime.kv_cache import SequenceCache, Steps, drive
 from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.models import LoadedModel
 from specdec.spec.proposer import RejectionOutput
-from specdec.spec.rejection import greedy_accept, rejection_sample
+from specdec.spec.rejection import greedy_accept, rejection_sample, synthetic_num_accepted
 from specdec.spec.sampling import SamplingConfig
 from specdec.spec.transform import make_generator, sample_from, scores_to_probs, transform_logits
 
@@ -51,7 +51,9 @@ class TargetSession:
         return drive(self.verify_steps(draft_token_ids, draft_probs, sampling))
 
     def verify_steps(self, draft_token_ids: list[int], draft_probs: torch.Tensor | None,
-                     sampling: SamplingConfig) -> Steps[RejectionOutput]:
+                     sampling: SamplingConfig, synthetic_acceptance: float = 0.0) -> Steps[RejectionOutput]:
+        """`synthetic_acceptance` > 0: the benchmark setting (not lossless) that keeps each
+        draft at that rate whatever the models say (rejection.synthetic_num_accepted)."""
         gamma = len(draft_token_ids)
         self._check_room(gamma + 1)
         base = len(self.seq)
@@ -62,7 +64,13 @@ class TargetSession:
                                   self.loaded.vocab_size)                               # [gamma+1, vocab]
         draft = torch.tensor(draft_token_ids, dtype=torch.long, device=scores.device)
         # 3. Accept / reject.
-        if sampling.greedy:
+        if synthetic_acceptance:
+            accepted = synthetic_num_accepted(gamma, synthetic_acceptance, self._generator(sampling))
+            row = scores[accepted]
+            token = int(row.argmax()) if sampling.greedy else sample_from(scores_to_probs(row[None])[0],
+                                                                          self._generator(sampling))
+            out = RejectionOutput(accepted, token, bonus=accepted == gamma)
+        elif sampling.greedy:
             out = greedy_accept(draft, scores.argmax(dim=-1))
         else:
             assert draft_probs is not None

@@ -20,7 +20,7 @@ from specdec.runtime.quant.base import QuantizeContext
 
 from specdec.runtime import lean, model_cache, torch_thread
 
-from specdec.weights import registry, tiny, vocab_rank
+from specdec.weights import registry, synthetic, tiny, vocab_rank
 from specdec.rpc.errors import FailedPrecondition, InvalidArgument
 from specdec.weights.tokenizer_fingerprint import tokenizer_fingerprint
 
@@ -79,7 +79,10 @@ def _from_pretrained(cls, path: pathlib.Path, **kwargs):
     return cls.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True, **kwargs)
 
 
-def _load_weights(name: str, source: pathlib.Path | None, torch_dtype: torch.dtype) -> PreTrainedModel:
+def _load_weights(name: str, source: pathlib.Path | None, torch_dtype: torch.dtype, device: torch.device,
+                  random_weights: int | None) -> PreTrainedModel:
+    if random_weights is not None:
+        return synthetic.build(source, random_weights, torch_dtype, device)
     if source is None:
         return tiny.build(name)[0].to(torch_dtype)
     return _from_pretrained(AutoModelForCausalLM, source, dtype=torch_dtype)
@@ -127,7 +130,9 @@ def _quantized(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizer
 
 @torch_thread.runs_on_it  # see specdec.runtime.torch_thread: the process's torch work stays on one thread
 def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize: str = "none",
-               head_vocab: int = 0, forward: str = "lean") -> LoadedModel:
+               head_vocab: int = 0, forward: str = "lean", random_weights: int | None = None) -> LoadedModel:
+    """`random_weights`: a benchmark's model, `name` a directory with config.json and the
+    tokenizer, its weights drawn from this seed (specdec.weights.synthetic)."""
     if dtype not in DTYPES:
         raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if quantize not in QUANTIZE:
@@ -136,6 +141,8 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
         raise InvalidArgument(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
     torch_device = torch.device(device)
     source = _source(name)  # pulls a registry model first, so its GGUF is there for int4
+    if random_weights is not None and (source is None or not source.is_dir()):
+        raise InvalidArgument(f"--random-weights builds a model from a directory's config.json; {name!r} is not one")
     quantization = quantizations().get(quantize)  # None: "none"
     if quantization is not None and quantization.needs_gguf and gguf_source(name) is None:
         raise InvalidArgument(f"--quantize int4 builds its weights from a GGUF's Q4_K blocks; {name!r} has no "
@@ -148,11 +155,13 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
     settings = dict(quantize=quantize, dtype=dtype, head_vocab=head_vocab)
     if head_vocab:
         settings["head_ranking"] = vocab_rank.digest(ranking)
-    root = _cache_root(name, source) if quantization is not None and torch_device.type == "cpu" else None
+    keep = quantization is not None and torch_device.type == "cpu" and random_weights is None
+    root = _cache_root(name, source) if keep else None
     entry = model_cache.entry_dir(root, settings) if root else None
     model = model_cache.load(entry) if entry else None
     if model is None:
-        model = _quantized(name, _load_weights(name, source, TORCH_DTYPES[dtype]).to(torch_device).eval(), tokenizer,
+        weights = _load_weights(name, source, TORCH_DTYPES[dtype], torch_device, random_weights)
+        model = _quantized(name, weights.to(torch_device).eval(), tokenizer,
                            torch_device, quantize, head_vocab, ranking)
         if entry:
             try:

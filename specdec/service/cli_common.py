@@ -13,6 +13,7 @@ from specdec.rpc.security import load_token
 from specdec.rpc.serving import RunningServer, catch_stop_signals, run_until_signal
 from specdec.runtime import torch_thread
 from specdec.runtime.models import LoadedModel, load_model
+from specdec.service.settings import own_options
 
 
 def run_model_service(name: str, args: argparse.Namespace,
@@ -26,7 +27,8 @@ def run_model_service(name: str, args: argparse.Namespace,
         tls = server_tls(args)
         token = load_token(args.auth_token_env, args.auth_token_file)
         loaded: LoadedModel = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
-                                        head_vocab=args.head_vocab, forward=args.forward)
+                                        head_vocab=args.head_vocab, forward=args.forward,
+                                        random_weights=args.random_weights)
         stopping = catch_stop_signals()
         running = serve(loaded, host=args.host, port=args.port, session_ttl_s=args.session_ttl,
                         max_sessions=args.max_sessions, tls=tls, uds=args.uds,
@@ -34,7 +36,7 @@ def run_model_service(name: str, args: argparse.Namespace,
                         kv_cache_mb=args.kv_cache_mb,
                         prefill_chunk=args.prefill_chunk, max_batch_rows=args.max_batch_rows, auth_token=token,
                         prefill_weights=args.prefill_weights, prefix_cache=args.prefix_cache,
-                        kernel_rows=args.kernel_rows)
+                        kernel_rows=args.kernel_rows, **own_options(args, name))
         start_health(running, args)
     except (SpecdecError, ValueError, OSError) as exc:
         log.error("%s", exc)

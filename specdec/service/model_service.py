@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from typing import Callable, Generic, Iterator, Protocol, TypeVar
 
 import psutil
+import torch
 
 from specdec.runtime import dense_rows, kernels, torch_thread
 from specdec.runtime.batching import CallStats, Scheduler, lean_batch_forward
@@ -220,6 +221,18 @@ def time_prefill_buckets(loaded: LoadedModel, prefill_chunk: int = PREFILL_CHUNK
 CURVE_PREFIX = 128  # tokens cached before each timed forward: a short prompt's worth
 
 
+def device_clock(device) -> Callable[[], float]:
+    """time.perf_counter, after the device's queued work is done: a GPU runs kernels
+    after their launch returns, so an unsynchronized clock reads launch time."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return clock
+
+
 def measure_cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> CostCurve:
     """The least ms of `repeats` forwards over 1..rows new rows after a CURVE_PREFIX-token
     prefix: what verifying γ = rows - 1 drafts costs, or a draft step (1 row).
@@ -231,19 +244,20 @@ def measure_cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> Cost
         return CostCurve([], 0.0)
     ids = [(7 * i + 3) % loaded.vocab_size for i in range(CURVE_PREFIX + rows)]
     prefills = []
+    clock = device_clock(loaded.device)
     for _ in range(2):
         seq = SequenceCache(loaded, ids[:CURVE_PREFIX])
-        started = time.perf_counter()
+        started = clock()
         seq.prefill()  # all but the last prefix token
-        prefills.append((time.perf_counter() - started) * 1e3 / (CURVE_PREFIX - 1))
+        prefills.append((clock() - started) * 1e3 / (CURVE_PREFIX - 1))
     seq.forward([], keep_last=1)
     curve = []
     for n in range(1, rows + 1):
         times = []
         for _ in range(repeats):
-            started = time.perf_counter()
+            started = clock()
             seq.forward(ids[CURVE_PREFIX:CURVE_PREFIX + n], keep_last=n)
-            times.append((time.perf_counter() - started) * 1e3)
+            times.append((clock() - started) * 1e3)
             seq.truncate(CURVE_PREFIX)  # the rollback a rejected draft gets
         curve.append(round(min(times), 3))  # the least disturbed: another process may share the cores
     return CostCurve(curve, round(min(prefills), 4))

@@ -29,6 +29,12 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
                               "blocks on torch's int4 kernel (CPU), tensors stored at higher precision in int8; "
                               "q4_0: the weights rounded to Q4_0 for llama.cpp's kernels (a draft's, CPU). "
                               "Converted once and kept in the model cache"), chart=True),
+    S("--random-weights", dict(type=int, metavar="SEED",
+                               help="BENCHMARK ONLY: build the model from --model's config.json with random weights "
+                                    "drawn from this seed (in --dtype, on --device) instead of loading any; for timing "
+                                    "real shapes where the weights cannot travel (step time does not depend on their "
+                                    "values). --model is then a directory with config.json and the tokenizer's files"),
+      up=True),
     S("--forward", dict(default="lean", choices=FORWARDS,
                         help="lean: specdec's forward for Llama/Qwen2 over a static KV cache (others fall back to "
                              "transformers'); hf: transformers' forward")),
@@ -87,19 +93,42 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
 )
 
 
+# One service's own settings, beside MODEL_SETTINGS; handed to its serve() by name.
+OWN_SETTINGS: dict[str, tuple[Setting, ...]] = {
+    "drafter": (),
+    "verifier": (
+        S("--synthetic-acceptance", dict(type=float, default=0.0, metavar="RATE",
+                                         help="BENCHMARK ONLY, not lossless: accept each draft token with this "
+                                              "probability whatever the models say (vLLM's synthetic rejection), to "
+                                              "time random-weight pairs at a real pair's acceptance; logged at start "
+                                              "and marked in every response's stats (0 = off)"), up=True),
+    ),
+}
+
+
+def service_settings(name: str) -> tuple[Setting, ...]:
+    return MODEL_SETTINGS + OWN_SETTINGS[name]
+
+
+def own_options(args: argparse.Namespace, name: str) -> dict:
+    """The service's own settings as its serve() takes them."""
+    return {s.dest: getattr(args, s.dest) for s in OWN_SETTINGS[name]}
+
+
 def model_service_parser(name: str) -> argparse.ArgumentParser:
     """`python -m drafter` or `python -m verifier`'s command line."""
-    parser = argparse.ArgumentParser(prog=f"python -m {name}", description=f"specdec {name} service")
-    flags.add_settings(parser, MODEL_SETTINGS)
+    parser = argparse.ArgumentParser(prog=f"python -m {name}", description=f"specdec {name} service",
+                                     allow_abbrev=False)  # a flag is named whole (the chart refuses some by name)
+    flags.add_settings(parser, service_settings(name))
     return parser
 
 
 def add_up_settings(parser: argparse.ArgumentParser) -> None:
     """`specdec up`'s --drafter-FLAG and --verifier-FLAG, each unset unless given."""
     for service in SERVICES:
-        flags.add_up_settings(parser, MODEL_SETTINGS, service, prefix=f"{service}-")
+        flags.add_up_settings(parser, service_settings(service), service, prefix=f"{service}-")
 
 
 def up_passthrough(args: argparse.Namespace, service: str) -> tuple[str, ...]:
     """The flags `specdec up` was given for `service`, as they go on its command line."""
-    return flags.up_passthrough(args, MODEL_SETTINGS, prefix=f"{service}-")
+    return flags.up_passthrough(args, service_settings(service), prefix=f"{service}-")

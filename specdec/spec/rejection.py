@@ -61,3 +61,15 @@ def greedy_accept(
     mismatch = (draft_token_ids.cpu() != target_token_ids[:gamma].cpu()).nonzero()
     num_accepted = int(mismatch[0]) if mismatch.numel() else gamma
     return RejectionOutput(num_accepted, int(target_token_ids[num_accepted]), bonus=num_accepted == gamma)
+
+
+def synthetic_num_accepted(gamma: int, acceptance: float, generator: torch.Generator) -> int:
+    """A benchmark's verdict, not a lossless one (vLLM's `synthetic` rejection
+    method): each draft is kept with probability `acceptance` given the ones before
+    it, whatever the models say, so a pair of random-weight models, which agree on
+    nothing, can be timed at the acceptance a real pair shows. The caller draws the
+    next token from the target's own row at that position."""
+    assert 0.0 < acceptance <= 1.0 and gamma >= 0, (acceptance, gamma)
+    uniforms = torch.rand(gamma, generator=generator, device=generator.device)
+    rejected = (uniforms >= acceptance).nonzero()
+    return int(rejected[0]) if rejected.numel() else gamma

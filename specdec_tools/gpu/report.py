@@ -1,0 +1,121 @@
+"""The GPU check's table: its sections as JSON and as markdown, written after
+each one (so a call cut short still returns what it measured), and what
+coordinator/gamma/bound.py predicts beside what the services measured."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+from coordinator.gamma.bound import best_speedup
+
+
+class Report:
+    def __init__(self, out: pathlib.Path, device: str, quick: bool):
+        self.out = out
+        self.meta = {"device": device, "quick": quick}
+        self.sections: dict[str, dict] = {}
+
+    def set(self, name: str, value, seconds: float) -> None:
+        self.sections[name] = {"status": "ok", "seconds": round(seconds, 1), "value": value}
+        self.write()
+
+    def partial(self, name: str, value) -> None:
+        self.sections[name] = {"status": "running", "value": value}
+        self.write()
+
+    def fail(self, name: str, error: str, trace: str, seconds: float) -> None:
+        self.sections[name] = {"status": "FAILED", "seconds": round(seconds, 1), "error": error, "trace": trace,
+                               "value": self.sections.get(name, {}).get("value")}
+        self.write()
+
+    def status(self, name: str) -> str:
+        section = self.sections.get(name, {})
+        return section.get("status", "-") + (f": {section['error']}" if "error" in section else "")
+
+    def write(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "gpu_check.json").write_text(json.dumps({"meta": self.meta, **self.sections}, indent=2))
+        (self.out / "gpu_check.md").write_text(self.markdown())
+
+    def value(self, name: str):
+        return self.sections.get(name, {}).get("value")
+
+    def markdown(self) -> str:
+        lines = [f"## GPU check ({self.meta['device']}{', quick' if self.meta['quick'] else ''})", ""]
+        lines += [f"- {k}: {v}" for k, v in self.meta.items() if k not in ("device", "quick")]
+        lines += ["", "| section | status | s |", "|---|---|---|"]
+        lines += [f"| {name} | {self.status(name)} | {s.get('seconds', '-')} |" for name, s in self.sections.items()]
+        if env := self.value("environment"):
+            lines += ["", "Machine: " + ", ".join(f"{k} {v}" for k, v in env.items())]
+        if steps := self.value("step costs"):
+            lines += ["", *step_table(steps)]
+        if argmax := self.value("argmax, k rows against 1"):
+            lines += ["", f"A verification's argmax against decode steps' (target 1.5B bf16): {argmax}"]
+        if pairs := self.value("services"):
+            cpu = (self.meta.get("cpu_acceptance") or {}).get("greedy")
+            for pair in pairs:
+                lines += ["", *pair_table(pair, cpu)]
+        for name in ("tiny pair greedy", "chi-square"):
+            if value := self.value(name):
+                lines += ["", f"{name}: {value}"]
+        for name, section in self.sections.items():
+            if "trace" in section:
+                lines += ["", f"### {name}", "", "```", section["trace"].rstrip(), "```"]
+        return "\n".join(lines) + "\n"
+
+
+def step_table(rows: list[dict]) -> list[str]:
+    counts = sorted({int(n) for r in rows for n in r.get("rows_ms", {})})
+    head = ["model", "B params", "load s", *[f"{n} row{'s' if n > 1 else ''} ms" for n in counts],
+            "prefill ms/token (512)", "launches / 1-row step", "GPU busy / wall ms", "peak MiB", "1 row / target 1.5B's"]
+    target = next((r for r in rows if r.get("label") == "target 1.5B bf16" and r.get("rows_ms")), None)
+    base = target["rows_ms"][next(iter(target["rows_ms"]))] if target else None
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['label']} | " + " | ".join(["-"] * (len(head) - 2)) + f" | {r['error']} |")
+            continue
+        ms = {int(k): v for k, v in r["rows_ms"].items()}
+        one = ms.get(1)
+        out.append("| " + " | ".join(str(x) for x in [
+            r["label"], r["parameters_b"], r["load_s"], *[f"{ms[n]:.2f}" if n in ms else "-" for n in counts],
+            f"{r['prefill_ms_per_token']:.3f}", r["launches"], f"{r['busy_ms']:.2f} / {r['wall_ms']:.2f}",
+            r["peak_mb"] or "-", f"{one / base:.2f}" if one and base else "-"]) + " |")
+    return out
+
+
+def pair_dict(result) -> dict:
+    return {"pair": result.pair, "draft_curve": result.draft_curve, "verify_curve": result.verify_curve,
+            "runs": [dataclasses.asdict(r) for r in result.runs], "skipped": result.skipped}
+
+
+def predicted(pair: dict, acceptance: float) -> tuple[float, int] | None:
+    """What the bound makes of the services' curves at `acceptance`: the best speedup and its γ."""
+    if len(pair.get("verify_curve") or []) < 2 or not pair.get("draft_curve"):
+        return None
+    return best_speedup(pair["verify_curve"], pair["draft_curve"][0], acceptance)
+
+
+def pair_table(pair: dict, cpu_acceptance: float | None) -> list[str]:
+    runs = pair.get("runs", [])
+    base = next((r["ms_per_token"] for r in runs if r["system"] == "target-only"), None)
+    out = [f"Pair {pair['pair']} through the services (synthetic acceptance; decode ms per token after the "
+           "first; speedup against target-only):", "",
+           "| acceptance | system | ms / token | speedup | first draft kept | mean accepted length | γ (last) | "
+           "round outside the forwards, ms | stats marked |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        speed = f"{base / r['ms_per_token']:.2f}x" if base and r["ms_per_token"] else "-"
+        rpc = "-" if r["rpc_ms_per_round"] is None else f"{r['rpc_ms_per_round']:.2f}"
+        out.append(f"| {r['acceptance']} | {r['system']} | {r['ms_per_token']:.2f} | {speed} | {r['acceptance_seen']} | "
+                   f"{r['mean_accepted_length']} | {r['gamma_last']} | {rpc} | {round(r['synthetic'], 3) or '-'} |")
+    alphas = sorted({r["acceptance"] for r in runs} | ({cpu_acceptance} if cpu_acceptance else set()))
+    bounds = [(a, predicted(pair, a)) for a in alphas]
+    if any(b for _, b in bounds):
+        out += ["", "bound.py on the services' curves (draft step " +
+                f"{pair['draft_curve'][0]:.2f} ms, verify by rows {', '.join(f'{x:.2f}' for x in pair['verify_curve'][:9])} "
+                "ms): " + "; ".join(f"acceptance {a}{' (the real pair on the CPU)' if a == cpu_acceptance else ''}: "
+                                    f"{b[0]:.2f}x at γ={b[1]}" for a, b in bounds if b)]
+    if pair.get("skipped"):
+        out += ["", "skipped: " + "; ".join(pair["skipped"])]
+    return out
