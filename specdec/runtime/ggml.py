@@ -138,19 +138,29 @@ def _buffer(rows: int, width: int) -> torch.Tensor:
         return _scratch.setdefault((rows, width), torch.zeros(rows, width))
 
 
+ALIGNMENT = 64  # ggml asserts 32 (TENSOR_ALIGNMENT) on a buffer it is handed, and aborts the process
+
+
 def aligned(t: torch.Tensor) -> torch.Tensor:
-    """t, contiguous, or a copy whose data starts on 64 bytes (ggml wants its tensors' data aligned)."""
+    """t, contiguous, or a copy whose data starts on ALIGNMENT bytes. Tensors transformers
+    loads from safetensors may sit at any offset of the file's memory (a norm's weight
+    started 40 bytes past a 64-byte line), so whatever ggml reads goes through here."""
     t = t.contiguous()
-    if t.data_ptr() % 64 == 0:
+    if t.data_ptr() % ALIGNMENT == 0:
         return t
     nbytes = t.numel() * t.element_size()
-    raw = torch.empty(nbytes + 64, dtype=torch.uint8)
-    offset = -raw.data_ptr() % 64
+    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
+    offset = -raw.data_ptr() % ALIGNMENT
     return raw[offset:offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
 
 
 def place(tensor, memory: torch.Tensor):
-    """Put `tensor` (of a no_alloc context) over this process's `memory`; returns the buffer to free."""
+    """Put `tensor` (of a no_alloc context) over this process's `memory`; returns the buffer to free.
+    Memory ggml writes (a KV cache) cannot be copied to align it: misaligned memory is refused
+    here with an exception, where ggml would abort the process."""
+    if memory.data_ptr() % ALIGNMENT:
+        raise RuntimeError(f"memory handed to ggml must start on {ALIGNMENT} bytes; a {tuple(memory.shape)} "
+                           f"{memory.dtype} tensor starts {memory.data_ptr() % ALIGNMENT} bytes past (use aligned())")
     g = lib()
     buffer = g.buffer_from_ptr(memory.data_ptr(), memory.numel() * memory.element_size())
     if g.tensor_alloc(buffer, tensor, memory.data_ptr()) != 0:

@@ -90,11 +90,11 @@ class _Weight:
         self.blocks = ggml.aligned(blocks)
         self.in_features, self.out_features = module.in_features, self.blocks.shape[0]
         self.ggml_type = int(module.ggml_type)
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.bias = None if bias is None else ggml.aligned(bias.detach().float())
 
 
 def _norm_weight(norm: nn.Module) -> torch.Tensor:
-    return norm.weight.detach().float().contiguous()
+    return ggml.aligned(norm.weight.detach().float())
 
 
 class _Layer:
@@ -388,7 +388,11 @@ def _candidates(lean) -> dict[str, GraphForward]:
         except Unsupported as why:
             log.info("decode and verify calls run through torch: the ggml graph does not cover %s", why)
             return {}
-        graph.place(repack=repack)
+        try:
+            graph.place(repack=repack)
+        except RuntimeError as why:   # a refusal (ggml.place), not an abort: the torch forward serves
+            log.warning("decode and verify calls will not run on %s: %s", name, why)
+            continue
         if repack and not graph.repacked:
             continue
         reason = check(lean, graph)
