@@ -21,6 +21,7 @@ from specdec.rpc import telemetry
 
 from coordinator.clients import VerifierClient
 from coordinator.gamma import CostModel, GammaController, GammaPriors, Plan, ServiceLoad
+from coordinator.gamma.explore import PREFILL, Exploration, ProbeCount
 from coordinator.metrics import Metrics
 from coordinator.output import Delta, OutputAccumulator
 from coordinator.rounds import RoundRecord
@@ -77,6 +78,7 @@ class Stats:
     draft_bytes: int = 0           # draft data sent to the verifier
     drafting_rounds: int = 0
     synthetic_acceptance: float = 0.0  # the verifier's benchmark setting: this output is not the target's
+    probes: dict[str, ProbeCount] = field(default_factory=dict)  # exploration taken, per kind (explore.py)
 
     def record(self, round: RoundRecord) -> None:
         self.rounds += 1
@@ -196,6 +198,7 @@ class SpeculativeEngine:
                 if delta.finish_reason is not None:
                     self.metrics.observe_request(stats.output_tokens, stats.total_ms / 1e3,
                                                  delta.finish_reason.name.lower())
+                    self.metrics.observe_probes(stats.probes)
                     return
                 self._check_caller(cancelled, timeout, stats)
         finally:
@@ -232,18 +235,24 @@ class SpeculativeEngine:
         # 2. Adaptive γ: draft with the model only if that is expected to save more
         #    than the proposer's prefill of this prompt costs; free drafts need none.
         request = g.request
-        g.controller = GammaController(request.gamma_max, self.gamma_priors.start(request.sampling),
-                                       load=self.load) if request.adaptive else None
+        if request.adaptive:
+            state = self.gamma_priors.start(request.sampling)
+            budget = Exploration.for_request(state.cost, request.max_new_tokens - 1, g.stats.probes)
+            g.controller = GammaController(request.gamma_max, state, load=self.load, exploration=budget)
+        probed = False  # the drafter's prefill was not expected to pay, and is taken as a probe
         if g.controller is not None and g.proposer.drafts_with_model:
             # What is left to prefill: the drafter's prefix cache may hold the prompt's start.
             uncached = len(g.context) - g.proposer.cached_prefix(g.context)
-            if not g.controller.prefill_pays(uncached, request.max_new_tokens - 1) \
-                    and not self.gamma_priors.probe_prefill(g.controller.calls(), uncached):
-                self._without_model(g, f"drafting was not expected to save what the drafter's prefill of the "
-                                       f"{len(g.context)}-token prompt ({uncached} of them not in its prefix cache) "
-                                       f"costs (with {g.controller.calls():.1f} calls sharing each verifier forward)")
-                if g.proposer is None:
-                    return
+            if not g.controller.prefill_pays(uncached, request.max_new_tokens - 1):
+                probed = g.controller.prefill_probe_allowed(uncached) and \
+                    self.gamma_priors.probe_prefill(g.controller.calls(), uncached)
+                if not probed:
+                    self._without_model(g, f"drafting was not expected to save what the drafter's prefill of the "
+                                           f"{len(g.context)}-token prompt ({uncached} of them not in its prefix "
+                                           f"cache) costs (with {g.controller.calls():.1f} calls sharing each "
+                                           "verifier forward)")
+                    if g.proposer is None:
+                        return
         # 3. The proposer's prefill: the prompt and the first token.
         started = time.perf_counter()
         g.proposer.start(g.session_id, g.context)
@@ -254,6 +263,8 @@ class SpeculativeEngine:
         finally:
             prefill_ms = (time.perf_counter() - started) * 1e3
             g.stats.prefill_ms += prefill_ms
+            if probed:
+                g.controller.exploration.charge(PREFILL, prefill_ms)
         if g.proposer is None:
             return
         g.stats.draft_prefix_cached_tokens = cached = g.proposer.prefix_cached_tokens

@@ -60,8 +60,18 @@ class Metrics:
         self.draft_bytes = Histogram("specdec_draft_bytes", "Draft data sent to the verifier per round that drafted "
                                      "(token ids and probabilities)", registry=r,
                                      buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20, 4 << 20))
+        self.probes = Counter("specdec_probes", "Probes taken (a draft source tried where its estimates said it "
+                              "would not pay), by kind", ["kind"], registry=r)
+        self.probe_seconds = Counter("specdec_probe_seconds", "What those probes cost beyond target-only decoding, "
+                                     "by kind", ["kind"], registry=r)
         self.tokens_per_second = Histogram("specdec_request_tokens_per_second", "Output tokens/s per request",
                                            registry=r, buckets=(.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 50, 100, 200))
+
+    def observe_probes(self, probes: dict) -> None:
+        """A finished request's probes ({kind: ProbeCount})."""
+        for kind, probe in probes.items():
+            self.probes.labels(kind).inc(probe.count)
+            self.probe_seconds.labels(kind).inc(probe.ms / 1e3)
 
     def observe_round(self, round: RoundRecord) -> None:
         self.observe_batch(round.verify_batch_rows, round.verify_queue_ms)

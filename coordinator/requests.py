@@ -178,7 +178,7 @@ def stats_to_proto(stats: Stats) -> coordinator_pb2.GenerationStats:
     # statistic is its proto field and its attribute (test_requests holds them together).
     out = coordinator_pb2.GenerationStats()
     for field in out.DESCRIPTOR.fields:
-        if field.name == "draft_sources":
+        if field.name in ("draft_sources", "probes"):
             continue
         value = getattr(stats, field.name)
         if isinstance(value, (list, tuple)):
@@ -188,6 +188,8 @@ def stats_to_proto(stats: Stats) -> coordinator_pb2.GenerationStats:
     out.draft_sources.extend(coordinator_pb2.DraftSourceStats(
         source=name, rounds=c.rounds, draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens,
         acceptance_rate=c.acceptance_rate) for name, c in sorted(stats.sources.items()))
+    out.probes.extend(coordinator_pb2.ProbeStats(kind=kind, count=p.count, ms=p.ms)
+                      for kind, p in sorted(stats.probes.items()))
     return out
 
 

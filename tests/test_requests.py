@@ -93,9 +93,11 @@ def test_every_generation_stat_is_the_engines_attribute_of_its_name():
     stats.record(RoundRecord(0, 3, 3, 2, False, draft_ms=4.0, verify_ms=9.0, sources=runs((NGRAM, 1), (MODEL, 2)),
                              draft_bytes=12, verify_batch_rows=4.0))
     stats.output_tokens, stats.total_ms, stats.first_token_ms = 3, 20.0, 5.0
+    from coordinator.gamma.explore import Exploration
+    Exploration(ledger=stats.probes).charge("model_round", 12.5)
     proto = stats_to_proto(stats)
     for field in proto.DESCRIPTOR.fields:
-        if field.name == "draft_sources":
+        if field.name in ("draft_sources", "probes"):
             continue
         assert hasattr(stats, field.name), f"GenerationStats.{field.name} has no Stats attribute"
         mine = getattr(stats, field.name)
@@ -106,3 +108,4 @@ def test_every_generation_stat_is_the_engines_attribute_of_its_name():
     assert {s.source: (s.draft_tokens, s.accepted_tokens) for s in proto.draft_sources} == {"ngram": (1, 1),
                                                                                            "model": (2, 1)}
     assert isinstance(stats.sources["model"], SourceCount)
+    assert [(p.kind, p.count, p.ms) for p in proto.probes] == [("model_round", 1, 12.5)]

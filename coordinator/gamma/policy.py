@@ -14,6 +14,7 @@ from specdec.spec.sampling import SamplingConfig
 from coordinator.gamma.acceptance import (MATCH_BUCKETS, Acceptance, Calibration, cumulative, lookup_acceptances,
                                           match_bucket)
 from coordinator.gamma.cost import LOAD_ALONE, CostModel
+from coordinator.gamma.explore import LOOKUP_ROUND, MODEL_ROUND, Exploration, break_even, within_reach
 from coordinator.gamma.load import ServiceLoad
 from coordinator.rounds import RoundRecord
 
@@ -56,6 +57,10 @@ class ControllerState:
     # EWMA over rounds: lookup tokens kept, less their rows' verify cost in target steps
     # (0 in a round without a lookup); optimistic until measured
     lookup_yield: float = 1.0
+    # The model's acceptance as this regime showed it before the request, with all of its
+    # evidence (`acceptance` is capped, for planning): with the request's own, what a probe
+    # may hope for (explore.py).
+    reach: Acceptance = field(default_factory=Acceptance)
 
 
 class GammaController:
@@ -65,7 +70,8 @@ class GammaController:
 
     def __init__(self, gamma_max: int, state: ControllerState | None = None, *, initial_gamma: int = 4,
                  hysteresis: float = 0.04, probe_every: int = 8, probe_gamma: int = 2, warmup_rounds: int = 2,
-                 aging: float = 0.8, max_confidence: float = 0.9, load: ServiceLoad | None = None):
+                 aging: float = 0.8, max_confidence: float = 0.9, load: ServiceLoad | None = None,
+                 exploration: Exploration | None = None):
         self.gamma_max = gamma_max
         self.state = state or ControllerState()
         self.load = load  # None: plan as if alone
@@ -78,6 +84,8 @@ class GammaController:
         self.rounds_at_zero = 0
         self.probing = False
         self.lookup_skips = [0] * len(MATCH_BUCKETS)     # lookups not taken since one was, per bucket
+        self.exploration = exploration or Exploration()  # the probes' budget and ledger (none: no ceiling)
+        self._probe_kind: str | None = None              # the round begun is a probe of this kind
 
     def without_model(self) -> None:
         """The request goes on with free drafts alone: the model's γ is 0 for good."""
@@ -123,7 +131,8 @@ class GammaController:
                     (k, j), value = (free_k, model_j), goodput(free_k, model_j)
         # A lookup not expected to pay is tried short now and then, or a bucket
         # judged bad once would never be judged again.
-        lookup_probe = k == 0 and self.lookup_skips[bucket] + 1 >= 2 * self.base_probe_every
+        lookup_probe = k == 0 and self.lookup_skips[bucket] + 1 >= 2 * self.base_probe_every and \
+            self._lookup_probe_allowed(bucket, min(k_max, self.probe_gamma))
         if lookup_probe:
             k, j = min(k_max, self.probe_gamma), 0
         # The model's probe waits for a round without a better lookup.
@@ -132,6 +141,7 @@ class GammaController:
     def begin(self, plan: Plan) -> None:
         """The round of `plan` starts: record the probes it makes, and the lookups it skips."""
         self.probing = plan.probe
+        self._probe_kind = MODEL_ROUND if plan.probe else LOOKUP_ROUND if plan.lookup_probe else None
         if plan.lookup_bucket is not None:
             taken = plan[NGRAM] > 0 or plan.lookup_probe
             self.lookup_skips[plan.lookup_bucket] = 0 if taken else self.lookup_skips[plan.lookup_bucket] + 1
@@ -186,10 +196,40 @@ class GammaController:
         """At γ = 0: target tokens to decode before the next probe round (at least 1)."""
         return max(1, self.probe_every - self.rounds_at_zero)
 
+    def model_in_reach(self) -> bool:
+        """Whether the model's drafts could pay, on the current costs, at an acceptance that
+        neither this regime's requests before this one nor this request's own rounds (which
+        age while nothing is judged) rule out (explore.py)."""
+        if not self.model or self.gamma_max < 1:
+            return False
+        needed = break_even(self.state.cost, self.gamma_max, self.calls())
+        return within_reach(self.state.reach, needed) and within_reach(self.state.acceptance, needed)
+
+    def _probe_round_ms(self, gamma: int, expected_tokens: float) -> float:
+        """What a round of γ drafts is expected to cost beyond decoding its tokens target-only."""
+        cost, calls = self.state.cost, self.calls()
+        return cost.round_ms(gamma, calls) - expected_tokens * cost.verify_ms(0, calls)
+
+    def _model_probe_allowed(self) -> bool:
+        expected = self._probe_round_ms(self.probe_gamma, self.state.acceptance.expected_tokens(self.probe_gamma))
+        return self.exploration.affordable(expected) and self.model_in_reach()
+
+    def _lookup_probe_allowed(self, bucket: int, k: int) -> bool:
+        cost, calls = self.state.cost, self.calls()
+        kept = self.state.lookup[bucket]
+        expected = cost.verify_ms(k, calls) - kept.expected_tokens(k) * cost.verify_ms(0, calls)
+        return self.exploration.affordable(expected) and \
+            within_reach(kept, break_even(cost, self.gamma_max, calls, drafts_cost=False))
+
+    def prefill_probe_allowed(self, prompt_tokens: int) -> bool:
+        """Whether the drafter's prefill of a request it was not expected to pay for may be
+        taken all the same: the model within reach, and the prefill within the budget."""
+        return self.exploration.affordable(self.state.cost.draft_prefill_ms(prompt_tokens)) and self.model_in_reach()
+
     def _model_gamma(self, limit: int | None) -> tuple[int, bool]:
         """The model's γ for the next round, and whether it is a probe."""
         gamma, probe = self.gamma, False
-        if gamma == 0 and self.rounds_at_zero >= self.probe_every:
+        if gamma == 0 and self.rounds_at_zero >= self.probe_every and self._model_probe_allowed():
             gamma, probe = self.probe_gamma, True
         if limit is not None:
             gamma = max(0, min(gamma, limit))
@@ -204,6 +244,11 @@ class GammaController:
     def observe(self, round: RoundRecord) -> None:
         state = self.state
         state.rounds += 1
+        if self._probe_kind is not None:   # charged at what it cost beyond target-only decoding
+            tokens = round.accepted + max(round.steps, 1)
+            self.exploration.charge(self._probe_kind, round.draft_ms + round.verify_ms -
+                                    tokens * state.cost.verify_ms(0, self.calls()))
+            self._probe_kind = None
         # What was drafted, not what was asked for: a confidence stop may draft fewer.
         state.cost.observe(round.drafted, round.draft_ms, round.verify_ms / max(round.steps, 1),
                            draft_alone=round.draft_batch_calls <= LOAD_ALONE,
@@ -306,8 +351,9 @@ class GammaPriors:
             acceptance = copy.deepcopy(self.acceptance.get(key, Acceptance())).capped(self.prior_weight)
             calibration = copy.deepcopy(self.calibration.get(key, Calibration()))
             lookup = [a.capped(self.prior_weight) for a in copy.deepcopy(self.lookup.get(key, lookup_acceptances()))]
+            reach = copy.deepcopy(self.acceptance.get(key, Acceptance()))   # all of the regime's evidence
             return ControllerState(acceptance, copy.deepcopy(self.cost), calibration, self.rounds, lookup,
-                                   self.lookup_yield.get(key, ControllerState.lookup_yield))
+                                   self.lookup_yield.get(key, ControllerState.lookup_yield), reach)
 
     def finish(self, sampling: SamplingConfig, state: ControllerState) -> None:
         with self.lock:
