@@ -2,7 +2,7 @@
 over a session's KV cache), every timing closed by a synchronize:
 
   - ms of one forward by rows (a decode step is 1 row, verifying γ drafts γ + 1),
-    after a 128-token prefix, the median of a few;
+    after a 128-token prefix, the least of a few: the curve the services publish;
   - prefill ms per token over a 512-token prompt;
   - of one 1-row step: kernel launches and GPU-busy time against wall time
     (torch.profiler; on the CPU, the torch ops it ran);
@@ -11,7 +11,6 @@ over a session's KV cache), every timing closed by a synchronize:
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -20,10 +19,10 @@ import torch
 from specdec.runtime import torch_thread
 from specdec.runtime.kv_cache import SequenceCache, drive
 from specdec.runtime.models import LoadedModel, load_model
-from specdec.service.model_service import device_clock
+from specdec.service.model_service import CURVE_PREFIX, device_clock, measure_cost_curve
 
 ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17)
-PREFIX = 128
+PREFIX = CURVE_PREFIX
 PREFILL_TOKENS = 512
 
 
@@ -52,24 +51,10 @@ def _ids(loaded: LoadedModel, count: int) -> list[int]:
 
 
 def rows_curve(loaded: LoadedModel, rows=ROWS, repeats: int = 5) -> dict[int, float]:
-    """Median ms of one forward over n new rows after a PREFIX-token prefix, rolled back after each."""
-    clock = device_clock(loaded.device)
-    ids = _ids(loaded, PREFIX + max(rows))
-    seq = SequenceCache(loaded, ids[:PREFIX])
-    seq.prefill()
-    seq.forward([], keep_last=1)
-    curve = {}
-    for n in rows:
-        seq.forward(ids[PREFIX:PREFIX + n], keep_last=n)  # this row count's first call: not timed
-        seq.truncate(PREFIX)
-        times = []
-        for _ in range(repeats):
-            started = clock()
-            seq.forward(ids[PREFIX:PREFIX + n], keep_last=n)
-            times.append((clock() - started) * 1e3)
-            seq.truncate(PREFIX)
-        curve[n] = round(statistics.median(times), 3)
-    return curve
+    """ms of one forward over n new rows after a 128-token prefix: the cost curve the
+    services publish (model_service.measure_cost_curve, synchronized on a GPU), at `rows`."""
+    curve = measure_cost_curve(loaded, max(rows), repeats).forward_ms
+    return {n: curve[n - 1] for n in rows}
 
 
 def prefill_per_token(loaded: LoadedModel, tokens: int = PREFILL_TOKENS, repeats: int = 2) -> float:
