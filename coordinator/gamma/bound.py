@@ -14,7 +14,7 @@ own (its steps cost). The coordinator logs these at start; `specdec bench`
 reports them from the curves of its run."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from coordinator.gamma.cost import RowCurve
 
@@ -43,17 +43,23 @@ def best_speedup(verify_ms: Sequence[float], draft_ms: float = 0.0, acceptance: 
     return max((speedup(verify_ms, g, draft_ms, acceptance), g) for g in range(1, top + 1))
 
 
-def break_even_acceptance(verify_ms: Sequence[float], draft_ms: float = 0.0,
-                          gamma_max: int | None = None, tolerance: float = 1e-3) -> float | None:
-    """The least acceptance at which some γ reaches target-only's speed (None: not
-    even a perfect draft does). Speedup grows with acceptance, so a bisection."""
-    if best_speedup(verify_ms, draft_ms, 1.0, gamma_max)[0] < 1.0:
+def least_acceptance(speedup_at: Callable[[float], float], tolerance: float = 1e-3) -> float | None:
+    """The least acceptance at which speedup_at(α) reaches 1 (None: not even at α = 1).
+    Speedup grows with acceptance, so a bisection."""
+    if speedup_at(1.0) < 1.0:
         return None
     low, high = 0.0, 1.0
     while high - low > tolerance:
         mid = (low + high) / 2
-        low, high = (low, mid) if best_speedup(verify_ms, draft_ms, mid, gamma_max)[0] >= 1.0 else (mid, high)
+        low, high = (low, mid) if speedup_at(mid) >= 1.0 else (mid, high)
     return high
+
+
+def break_even_acceptance(verify_ms: Sequence[float], draft_ms: float = 0.0,
+                          gamma_max: int | None = None, tolerance: float = 1e-3) -> float | None:
+    """The least acceptance at which some γ reaches target-only's speed (None: not
+    even a perfect draft does)."""
+    return least_acceptance(lambda alpha: best_speedup(verify_ms, draft_ms, alpha, gamma_max)[0], tolerance)
 
 
 def describe(verify_ms: Sequence[float], draft_ms: float | None = None) -> str:

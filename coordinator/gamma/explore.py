@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from coordinator.gamma.acceptance import Acceptance
+from coordinator.gamma.bound import expected_tokens, least_acceptance
 from coordinator.gamma.cost import CostModel
 
 BUDGET_SHARE = 0.05  # of a request's expected target-only decode time
@@ -78,18 +79,13 @@ def break_even(cost: CostModel, gamma_max: int, calls: float = 1.0, drafts_cost:
     some γ in 1..gamma_max gives more tokens per ms than target-only decoding, on these
     costs; None where no acceptance does. `drafts_cost`: the model's drafts (a draft step
     each); else free drafts (lookups), which cost only their verify rows."""
-    def best_gain(alpha: float) -> float:
-        base = 1.0 / max(cost.verify_ms(0, calls), 1e-9)
-        return max((sum(alpha ** i for i in range(g + 1)) /
-                    max((cost.draft_ms(g, calls) if drafts_cost else 0.0) + cost.verify_ms(g, calls), 1e-9))
-                   for g in range(1, max(gamma_max, 1) + 1)) / base
-    if best_gain(1.0) < 1.0:
-        return None
-    low, high = 0.0, 1.0
-    while high - low > tolerance:
-        mid = (low + high) / 2
-        low, high = (low, mid) if best_gain(mid) >= 1.0 else (mid, high)
-    return high
+    step = max(cost.verify_ms(0, calls), 1e-9)
+
+    def best_speedup(alpha: float) -> float:
+        return max(expected_tokens(g, alpha) * step /
+                   max((cost.draft_ms(g, calls) if drafts_cost else 0.0) + cost.verify_ms(g, calls), 1e-9)
+                   for g in range(1, max(gamma_max, 1) + 1))
+    return least_acceptance(best_speedup, tolerance)
 
 
 def within_reach(acceptance: Acceptance, needed: float | None) -> bool:

@@ -205,13 +205,10 @@ class GammaController:
         needed = break_even(self.state.cost, self.gamma_max, self.calls())
         return within_reach(self.state.reach, needed) and within_reach(self.state.acceptance, needed)
 
-    def _probe_round_ms(self, gamma: int, expected_tokens: float) -> float:
-        """What a round of γ drafts is expected to cost beyond decoding its tokens target-only."""
-        cost, calls = self.state.cost, self.calls()
-        return cost.round_ms(gamma, calls) - expected_tokens * cost.verify_ms(0, calls)
-
     def _model_probe_allowed(self) -> bool:
-        expected = self._probe_round_ms(self.probe_gamma, self.state.acceptance.expected_tokens(self.probe_gamma))
+        # Expected to cost its round's time less its tokens at a target step each.
+        cost, calls, gamma = self.state.cost, self.calls(), self.probe_gamma
+        expected = cost.round_ms(gamma, calls) - self.state.acceptance.expected_tokens(gamma) * cost.verify_ms(0, calls)
         return self.exploration.affordable(expected) and self.model_in_reach()
 
     def _lookup_probe_allowed(self, bucket: int, k: int) -> bool:

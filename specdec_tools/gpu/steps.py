@@ -22,7 +22,6 @@ from specdec.runtime.models import LoadedModel, load_model
 from specdec.service.model_service import CURVE_PREFIX, device_clock, measure_cost_curve
 
 ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17)
-PREFIX = CURVE_PREFIX
 PREFILL_TOKENS = 512
 
 
@@ -70,7 +69,7 @@ def prefill_per_token(loaded: LoadedModel, tokens: int = PREFILL_TOKENS, repeats
 
 
 def profile_step(loaded: LoadedModel) -> tuple[int, float, float]:
-    """(launches, busy ms, wall ms) of one 1-row step after a PREFIX-token prefix,
+    """(launches, busy ms, wall ms) of one 1-row step after a CURVE_PREFIX-token prefix,
     profiled on the torch thread, where the forward's ops run."""
     return torch_thread.run(_profile_step, loaded)
 
@@ -79,14 +78,14 @@ def _profile_step(loaded: LoadedModel) -> tuple[int, float, float]:
     from torch.profiler import ProfilerActivity, profile
     clock = device_clock(loaded.device)
     cuda = loaded.device.type == "cuda"
-    ids = _ids(loaded, PREFIX + 1)
-    seq = SequenceCache(loaded, ids[:PREFIX])
+    ids = _ids(loaded, CURVE_PREFIX + 1)
+    seq = SequenceCache(loaded, ids[:CURVE_PREFIX])
     seq.prefill()
     seq.forward([], keep_last=1)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         started = clock()
-        seq.forward([ids[PREFIX]], keep_last=1)
+        seq.forward([ids[CURVE_PREFIX]], keep_last=1)
         wall = (clock() - started) * 1e3
     events = prof.events()
     if cuda:
@@ -134,7 +133,7 @@ def sdpa_backends(device: str, heads: int, kv_heads: int, head_dim: int, dtype=t
         return {"verify (masked)": "cpu", "prefill (causal)": "cpu"}
     F = torch.nn.functional
     found = {}
-    for case, rows, length, masked in (("verify (masked)", 5, PREFIX + 5, True),
+    for case, rows, length, masked in (("verify (masked)", 5, CURVE_PREFIX + 5, True),
                                        ("prefill (causal)", PREFILL_TOKENS, PREFILL_TOKENS, False)):
         q = torch.randn(1, heads, rows, head_dim, device=device, dtype=dtype)
         k, v = (torch.randn(1, kv_heads, length, head_dim, device=device, dtype=dtype) for _ in range(2))
@@ -157,7 +156,7 @@ def row_consistency(loaded: LoadedModel, tokens: int = 16) -> dict:
     1-row and k-row kernels sum in other orders, so an argmax may flip, and must
     then be a tie: the two tokens' logits within two bf16 steps of each other."""
     import math
-    ids = _ids(loaded, PREFIX)
+    ids = _ids(loaded, CURVE_PREFIX)
     decode = SequenceCache(loaded, ids)
     decode.prefill()
     steps, rows = [], []
