@@ -10,7 +10,7 @@ import torch
 
 from specdec.runtime import torch_thread
 from specdec.runtime.batching import Scheduler, lean_batch_forward
-from specdec.runtime.cost_curve import RowCost
+from specdec.runtime.cost_curve import RowCost, gathered_cost
 from specdec.rpc.errors import ResourceExhausted
 from specdec.runtime.kv_cache import Forward, SequenceCache
 from specdec.runtime.kv_pool import KVPool
@@ -105,6 +105,15 @@ def test_batches_follow_the_cost_curve_in_arrival_order():
     passes = Scheduler(cost=RowCost([40.0, 42.0, 47.0, 53.0, 96.0, 99.0, 100.0, 101.0, 150.0]))
     many = [Call(1) for _ in range(16)]
     assert passes._pick(many) == many                         # a 9th row's new pass does not cap the batch at 8
+    # A forward of several calls that runs other kernels than one call's rows (lean's
+    # `_gathered`) is priced on its own curve: 8 calls go together where a session's own
+    # 8-row verification would have capped the batch at 4.
+    gathered = Scheduler(cost=int4_like)
+    gathered.batch_cost = gathered_cost(40.0, {2: 45.0, 4: 50.0, 8: 60.0})
+    assert gathered.batch_cost(3) == 47.5 and gathered.batch_cost(6) == 55.0   # linear between the rows timed
+    assert gathered._pick(five) == five and gathered._pick(eight) == eight
+    one_call = [Call(8)]
+    assert gathered._pick(one_call) == one_call and gathered_cost(40.0, {}) is None
     noisy = Scheduler(cost=RowCost([100.0, 100.0, 100.0, 100.0, 104.0]))
     calls = [Call(1) for _ in range(5)]
     assert noisy._pick(calls) == calls                        # 20.8 a row against 25: within the tolerance

@@ -264,6 +264,27 @@ def test_fbgemm_made_per_row_computes_a_row_the_same_whatever_shares_its_call():
     assert plain_fbgemm_differs_by_call(codes, scales, x)
 
 
+@needs_avx2
+def test_fbgemm_row8_runs_on_the_per_row_weight_keeps_a_row_alone_and_is_offered_only_8_bit_layers():
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(96, 256, generator=generator)
+    scales = weight.abs().amax(dim=1) / 127
+    codes = torch.round(weight / scales[:, None]).to(torch.int8)
+    reference = lambda x: x @ (codes.float() * scales[:, None]).t()   # noqa: E731
+    offered = dict(kernels.prepared("int8-channel", (codes, scales), reference, per_row=True))
+    by_name = {b.name: state for b, state in offered.items()}
+    assert by_name["fbgemm-int8-row8"] is by_name["fbgemm-int8-row"]   # one packed weight for both arithmetics
+    row8 = next(b for b in offered if b.name == "fbgemm-int8-row8")
+    x = torch.randn(7, 256, generator=generator) * torch.tensor([1, 30, 0.02, 2, 1, 9, 0.3])[:, None]
+    x[2] -= 5
+    whole = row8.run(by_name["fbgemm-int8-row8"], x)
+    assert torch.equal(whole, torch.cat([row8.run(by_name["fbgemm-int8-row8"], x[r:r + 1]) for r in range(7)]))
+    error = (whole - reference(x)).norm(dim=1) / reference(x).norm(dim=1)
+    assert (error < 0.02).all() and (error > 1e-4).any(), error   # one 8-bit rounding of each row, no finer
+    down = kernels.prepared("int8-channel", (codes, scales), reference, per_row=True, activation_bits=14)
+    assert "fbgemm-int8-row8" not in {b.name for b, _ in down}      # a layer with outlier channels never gets it
+
+
 def plain_fbgemm_differs_by_call(codes, scales, x) -> bool:
     """fbgemm's own dynamic GEMM scales by the call: the same row alone comes out otherwise."""
     packed = kernels.fbgemm_pack(codes, scales, None)

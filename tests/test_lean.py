@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specdec.runtime import dense_rows, lean
+from specdec.runtime import dense_rows, kernels, lean
 from specdec.runtime.quant.int4 import GROUP, Int4Linear
 from specdec.runtime.kv_cache import SequenceCache
 from specdec.runtime.models import load_model
@@ -238,3 +238,47 @@ def test_warm_up_can_time_every_prefill_bucket_a_chunk_can_meet(monkeypatch):
     before = dict(kernels._CHOICE)
     SequenceCache(loaded, list(range(3, 17))).prefill()   # 13 rows: a bucket timed already
     assert kernels._CHOICE == before
+
+
+@pytest.mark.skipif("avx2" not in kernels.cpu_flags(), reason="fbgemm's int8 GEMM runs on AVX2 CPUs")
+def test_rows_of_several_sessions_take_the_batch_kernel_unless_batch_invariant(monkeypatch):
+    # gate/up offer an int8 kernel beside torch's int4 one. A session alone, and a batch
+    # under --batch-invariant, keep the one kernel chosen for every call (int4 here); a
+    # batch of two sessions' decode rows takes its bucket's choice (int8 here), whose
+    # logits are close to, and not, each session's own bits.
+    monkeypatch.setattr(kernels, "_CHOICE", {})
+    config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    _int4_everywhere(model)
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.int8_activations = True
+    forward = lean.LeanForward(model)
+    gate_up = forward.layers[0].gate_up
+    assert "fbgemm-int8-row" in {b.name for b, _ in gate_up._accelerated()}
+    shape = ("int4", gate_up.out_features, gate_up.in_features)
+    kernels._CHOICE[(*shape, 0)] = "torch-int4"
+    kernels._CHOICE[(*shape, "gathered", kernels.bucket(2))] = "fbgemm-int8-row"
+    prompts = [list(range(3, 20)), [7 * i % 290 + 5 for i in range(11)]]
+
+    def prefilled() -> list:
+        caches = []
+        for prompt in prompts:
+            caches.append(forward.new_cache())
+            forward(torch.tensor(prompt[:-1]), caches[-1], keep_last=1)
+        return caches
+    caches = prefilled()
+    alone = [forward(torch.tensor(p[-1:]), c, keep_last=1) for p, c in zip(prompts, caches)]
+
+    def batched(invariant: bool) -> list[torch.Tensor]:
+        forward.batch_invariant = invariant
+        return forward.batch([(torch.tensor(p[-1:]), c, 1) for p, c in zip(prompts, prefilled())])
+    assert all(torch.equal(a, b) for a, b in zip(alone, batched(True)))
+    gathered = batched(False)
+    for a, b in zip(alone, gathered):
+        assert not torch.equal(a, b) and (a - b).norm() < 0.05 * a.norm()
+    assert any("gathered rows<=2: fbgemm-int8-row" in line for line in kernels.choices())
+    again = prefilled()  # one session's rows after the batch: its own bits still
+    assert torch.equal(forward(torch.tensor(prompts[0][-1:]), again[0], keep_last=1), alone[0])

@@ -77,15 +77,16 @@ def test_specdec_up_hands_each_of_its_coordinator_settings_on_as_given(setting):
 @pytest.mark.parametrize("service,setting", [(service, s) for service in SERVICES for s in service_settings(service)
                                              if s.up], ids=lambda x: x if isinstance(x, str) else x.flag)
 def test_specdec_up_hands_each_model_service_setting_to_that_service_as_given(setting, service):
+    switch = setting.options.get("action") == "store_true"   # a switch stays one: no value
     choices = setting.options.get("choices")
-    given = choices[-1] if choices else SAMPLES[setting.options.get("type")]
-    args = cli_parser().parse_args(["up", "--pair", "tiny", f"--{service}-{setting.flag[2:]}", given])
+    given = () if switch else (choices[-1] if choices else SAMPLES[setting.options.get("type")],)
+    args = cli_parser().parse_args(["up", "--pair", "tiny", f"--{service}-{setting.flag[2:]}", *given])
     passed = model_passthrough(args, service)
-    assert passed == (setting.flag, given)
+    assert passed == (setting.flag, *given)
     other = next(s for s in SERVICES if s != service)
     assert model_passthrough(args, other) == ()   # the other service is not touched
     service_args = strict(lambda: model_service_parser(service)).parse_args(["--model", "tiny", *passed])
-    assert getattr(service_args, setting.dest) == (setting.options.get("type") or str)(given)
+    assert getattr(service_args, setting.dest) == (True if switch else (setting.options.get("type") or str)(given[0]))
 
 
 def test_up_passes_nothing_it_was_not_given():

@@ -73,6 +73,8 @@ def add_up_settings(parser: argparse.ArgumentParser, settings: Sequence[Setting]
     for s in settings:
         if s.up:
             options = {k: v for k, v in s.options.items() if k in ("type", "choices", "metavar")}
+            if s.options.get("action") == "store_true":  # a switch stays a switch; unset: None, the service's default
+                options = {"action": "store_const", "const": True}
             parser.add_argument("--" + prefix + s.flag.removeprefix("--"), dest=prefix.replace("-", "_") + s.dest,
                                 help=f"{service}: {s.options.get('help', '')}", **options)
 
@@ -82,7 +84,9 @@ def up_passthrough(args: argparse.Namespace, settings: Sequence[Setting], prefix
     out: list[str] = []
     for s in settings:
         value = getattr(args, prefix.replace("-", "_") + s.dest, None) if s.up else None
-        if value is not None:
+        if value is True and s.options.get("action") == "store_true":
+            out.append(s.flag)
+        elif value is not None:
             out += [s.flag, str(value)]
     return tuple(out)
 

@@ -16,7 +16,9 @@ Which pending forwards go into a batch: in the order they became pending (the
 one that waited longest first, so no call starves), as many as keep the cost
 per row lowest on the service's measured cost curve (`CostCurve`, measured at
 warm-up): torch's int4 kernel takes 4 rows a pass, so a 5th row can cost as
-much as the first four, and is better left to the next forward.
+much as the first four, and is better left to the next forward. A batch of
+several calls is priced on its own curve where it runs other kernels
+(`batch_cost`, lean's `_gathered`): an int8 GEMM's 8 rows cost little more than 1.
 """
 from __future__ import annotations
 
@@ -71,6 +73,9 @@ class Scheduler:
         self.batch_forward = batch_forward
         self.max_rows = max_rows
         self.cost = cost                  # ms by rows; None: take every pending forward
+        # ms by rows of a forward gathering several calls, where it runs other kernels than one
+        # call's rows (lean's `_gathered`); None: `cost` prices those too.
+        self.batch_cost: Callable[[int], float] | None = None
         # (rows, calls, ms, prefill_rows: those of prefill chunks) after each forward: the live cost curve
         self.on_forward = on_forward
         self._lock = threading.Lock()
@@ -139,7 +144,8 @@ class Scheduler:
             rows += len(call.pending.feed)
             if k > 1 and rows > self.max_rows:
                 break
-            per_row.append(self.cost(rows) / rows if self.cost is not None else 0.0)
+            cost = self.batch_cost if k > 1 and self.batch_cost is not None else self.cost
+            per_row.append(cost(rows) / rows if cost is not None else 0.0)
         best = min(per_row)
         return waiting[:max(k for k, cost in enumerate(per_row, start=1) if cost <= best * (1 + TOLERANCE))]
 

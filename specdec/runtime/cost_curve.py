@@ -43,6 +43,19 @@ class RowCost:
         return self.ms[lo - 1] + (rows - lo) * (self.ms[lo] - self.ms[lo - 1])
 
 
+def gathered_cost(one_row_ms: float, costs: dict[int, float]) -> RowCost | None:
+    """The scheduler's cost of a batch of several sessions' rows, from what such batches took
+    at warm-up, {rows: ms} (model_service.time_gathered_buckets; one row: a session's own
+    forward), linear between the row counts timed; None where none were."""
+    if not costs:
+        return None
+    points = sorted({1: one_row_ms, **costs}.items())
+    ms = []
+    for (lo, lo_ms), (hi, hi_ms) in zip(points, points[1:]):
+        ms += [lo_ms + (hi_ms - lo_ms) * (r - lo) / (hi - lo) for r in range(lo, hi)]
+    return RowCost([*ms, points[-1][1]])
+
+
 @dataclass(frozen=True)
 class CostCurve:
     forward_ms: list[float]        # [rows] one forward over 1..rows new rows after the prefix

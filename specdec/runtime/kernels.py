@@ -20,8 +20,9 @@ import math
 import threading
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -58,6 +59,9 @@ class Backend:
     # Run once after the import, before any layer uses it; raising leaves the backend out.
     # For a native library that may end the process where it was built for another CPU.
     selftest: Callable[[], None] | None = None
+    # Another backend whose prepared weight this one runs on (its own `prepare` then only
+    # where that one failed or is not offered): two arithmetics over one copy of the weight.
+    shares: str = ""
 
 
 # What each weight format hands a backend's `prepare`: the tensors, in order.
@@ -123,13 +127,13 @@ def usable(weight_format: str, per_row: bool = False, activation_bits: int = 0) 
 
 
 def checked(backend: Backend, weight: tuple, reference: Callable[[torch.Tensor], torch.Tensor],
-            in_features: int) -> object | None:
-    """The backend's weight for this layer (`weight` in its format, [N, ...] first), if
-    its output on a probe matches the layer's own kernel (`reference`); None (said once per
-    backend and shape) if it does not."""
+            in_features: int, state: object = None) -> object | None:
+    """The backend's weight for this layer (`weight` in its format, [N, ...] first; or
+    `state`, prepared already), if its output on a probe matches the layer's own kernel
+    (`reference`); None (said once per backend and shape) if it does not."""
     out_features = weight[0].shape[0]
     try:
-        state = backend.prepare(*weight)
+        state = backend.prepare(*weight) if state is None else state
         probe = torch.randn(4, in_features, generator=torch.Generator().manual_seed(0))
         with torch.no_grad():   # a layer loaded outside inference mode holds parameters
             want = reference(probe).float()
@@ -161,11 +165,12 @@ def prepared(weight_format: str, weight: tuple, reference: Callable[[torch.Tenso
     layer against `reference`; `weight` as WEIGHT_FORMATS[weight_format] lists it
     (its first tensor [N, K] unless `in_features` says K)."""
     assert weight_format in WEIGHT_FORMATS, weight_format
-    out = []
+    out, states = [], {}
     for backend in usable(weight_format, per_row, activation_bits):
-        state = checked(backend, weight, reference, in_features or weight[0].shape[1])
+        state = checked(backend, weight, reference, in_features or weight[0].shape[1], states.get(backend.shares))
         if state is not None:
             out.append((backend, state))
+            states[backend.name] = state
     return out
 
 
@@ -251,6 +256,23 @@ def choice_rows() -> int:
     return _CHOICE_ROWS[0]
 
 
+_GATHERED: list[bool] = []   # the forward running now (torch thread) gathers rows of several sessions
+
+
+@contextmanager
+def gathered() -> Iterator[None]:
+    """Within: the rows of a layer's call come from several sessions' decode and verify
+    calls (a batched forward under load, not --batch-invariant). Their bits need not be
+    what each session alone would get, so `pick_per_layer` takes the kernel timed fastest
+    for the call's row bucket among all the layer offers, as vLLM and SGLang batch by
+    default: rows of other sessions may move a session's rounding at near-ties."""
+    _GATHERED.append(True)
+    try:
+        yield
+    finally:
+        _GATHERED.pop()
+
+
 def pick_per_layer(key: tuple, x: torch.Tensor, own_name: str, own: Callable[[torch.Tensor], torch.Tensor],
                    accel: list[tuple[Backend, object]]) -> torch.Tensor:
     """own(x), or one of the per-row kernels `accel` ([(backend, its weight)]) for a layer
@@ -266,6 +288,8 @@ def pick_per_layer(key: tuple, x: torch.Tensor, own_name: str, own: Callable[[to
     def calls(x: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
         return {own_name: lambda: own(x), **{b.name: (lambda b=b, s=s: b.run(s, x).to(x.dtype)) for b, s in accel}}
     rows, timed_rows = x.shape[0], _CHOICE_ROWS[0]
+    if _GATHERED:   # several sessions' rows: the fastest kernel for this bucket (`gathered`)
+        return pick((*key, "gathered"), rows, calls(x))
     if rows != timed_rows and (*key, 0) not in _CHOICE:
         probe = x[torch.arange(timed_rows) % rows]      # the first call's rows, as many as the choice is timed at
         pick(key, timed_rows, calls(probe), per_layer=True)
@@ -344,6 +368,26 @@ def _fbgemm_row_run(state, x: torch.Tensor) -> torch.Tensor:
 # in 1.1 ms for one row and 1.9 for five, where torch's int4 kernel takes 1.9 and 5.4.
 register(Backend("fbgemm-int8-row", "int8-channel", "torch", _fbgemm_row_prepare, _fbgemm_row_run, per_row=True,
                  activation_bits=14, cpu_flags=("avx2",)))
+
+
+def _fbgemm_row8_run(state, x: torch.Tensor) -> torch.Tensor:
+    """As `_fbgemm_row_run`, the coarse pass alone: each row's own 8 bits (7 without VNNI),
+    one GEMM call of M rows. For the layers whose inputs hold no outlier channels
+    (post-norm q/k/v and gate/up, the LM head): as fast as fbgemm's dynamic GEMM, and a
+    row's output still the same whatever shares the call."""
+    packed, ones = state
+    levels, step, zero = _fbgemm_grid()
+    x = x.float()
+    low, high = torch.aminmax(x, dim=1, keepdim=True)
+    width = (high - low).clamp_(min=1e-30)
+    centre = high + low
+    scaled = (2 * x - centre).div_(width)
+    y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(scaled, step, zero, packed)
+    return y.mul_(width).addcmul_(centre, ones).mul_(0.5)
+
+
+register(Backend("fbgemm-int8-row8", "int8-channel", "torch", _fbgemm_row_prepare, _fbgemm_row8_run, per_row=True,
+                 cpu_flags=("avx2",), shares="fbgemm-int8-row"))
 
 def _zentorch_prepare(codes: torch.Tensor, scales: torch.Tensor):
     packed = torch.ops.zentorch.zentorch_weight_prepack_for_dynamic_qlinear(codes.contiguous())

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.runtime import dense_rows, ggml_forward
+from specdec.runtime import dense_rows, ggml_forward, kernels
 from specdec.runtime.quant.base import fuse
 from specdec.runtime.kv_pool import KVPool
 
@@ -244,6 +244,10 @@ class LeanForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.dtype = self.embed.weight.dtype
         self._graph_choice: ggml_forward.GraphForward | bool | None = None   # None: not chosen yet
+        # Rows of several sessions' decode and verify calls in one forward still get each
+        # session's own bits (the services' --batch-invariant); else they take the kernels
+        # timed fastest for the batch (`_gathered`).
+        self.batch_invariant = False
 
     def linears(self) -> list[nn.Module]:
         """Every layer's projections as the forward calls them (not the LM head, which
@@ -286,17 +290,9 @@ class LeanForward:
         lengths = [cache.length for _, cache, _ in items]
         try:
             graph = self._graph()
-            on_graph = [graph is not None and ggml_forward.on_graph(ids.shape[0], keep) for ids, _, keep in items]
-            if not any(on_graph):
-                return self._batch(items)
-            # Decode and verify calls on the ggml graph, the others (prefill chunks) beside them on torch's.
-            out: list[torch.Tensor | None] = [None] * len(items)
-            for graphed, run in ((False, self._batch), (True, lambda part: ggml_forward.run_items(graph, part))):
-                where = [j for j, g in enumerate(on_graph) if g == graphed]
-                if where:
-                    for j, logits in zip(where, run([items[j] for j in where])):
-                        out[j] = logits
-            return out
+            if not self.batch_invariant and sum(keep > 0 for _, _, keep in items) > 1:
+                return self._gathered(items, graph, lengths)
+            return self._exact(items, graph)
         except BaseException:
             # A forward that fails (out of memory, a kernel's error) leaves every cache
             # at the length it had: the KV written past it is never read, and a rerun
@@ -304,6 +300,49 @@ class LeanForward:
             for (_, cache, _), length in zip(items, lengths):
                 cache.length = length
             raise
+
+    def _exact(self, items: list[tuple[torch.Tensor, StaticKVCache, int]],
+               graph: "ggml_forward.GraphForward | None") -> list[torch.Tensor]:
+        """Each call's rows computed as that call alone would be: decode and verify calls on
+        the ggml graph where it was chosen, the others (prefill chunks) beside them on torch's."""
+        on_graph = [graph is not None and ggml_forward.on_graph(ids.shape[0], keep) for ids, _, keep in items]
+        if not any(on_graph):
+            return self._batch(items)
+        out: list[torch.Tensor | None] = [None] * len(items)
+        for graphed, run in ((False, self._batch), (True, lambda part: ggml_forward.run_items(graph, part))):
+            where = [j for j, g in enumerate(on_graph) if g == graphed]
+            if where:
+                for j, logits in zip(where, run([items[j] for j in where])):
+                    out[j] = logits
+        return out
+
+    def _gathered(self, items: list[tuple[torch.Tensor, StaticKVCache, int]],
+                  graph: "ggml_forward.GraphForward | None", lengths: list[int]) -> list[torch.Tensor]:
+        """Several sessions' decode and verify calls (and any prefill chunks beside them) in
+        one forward, on the path timed fastest for the forward's row bucket: torch's ops with
+        each layer on the kernel fastest for the rows (`kernels.gathered`: an int8 GEMM
+        takes 8 rows for little more than one, where the per-row kernels a session's exact
+        bits need cost nearly 8 times), or the exact path (the ggml graph's rows one GEMV
+        at a time), which a few rows may still favour. Timing a path runs the forward again
+        from the same cache lengths, over the same keys and values."""
+        def torch_path() -> list[torch.Tensor]:
+            with kernels.gathered():
+                return self._batch(items)
+        if graph is None:
+            return torch_path()
+
+        def again(run):
+            def call() -> list[torch.Tensor]:
+                for (_, cache, _), length in zip(items, lengths):
+                    cache.length = length
+                return run()
+            return call
+        key = ("forward", "gathered", f"{len(self.layers)}x{self.embed.weight.shape[1]}")
+        rows = sum(ids.shape[0] for ids, _, _ in items)
+        if kernels.chosen(key, rows) is None:
+            # Its layers choose their kernels first, so timing the path times them, not their choice.
+            again(torch_path)()
+        return kernels.pick(key, rows, {"torch": again(torch_path), "exact": again(lambda: self._exact(items, graph))})
 
     def _graph(self) -> "ggml_forward.GraphForward | None":
         """The ggml graph that runs decode and verify calls, where it was chosen (on the first call)."""

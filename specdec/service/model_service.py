@@ -13,7 +13,7 @@ import torch
 from specdec.runtime import dense_rows, kernels, torch_thread
 from specdec.runtime.batching import CallStats, Scheduler, lean_batch_forward
 from specdec.rpc.errors import InvalidArgument
-from specdec.runtime.cost_curve import CostCurve, LiveCurve, RowCost, pinned_curve
+from specdec.runtime.cost_curve import CostCurve, LiveCurve, RowCost, gathered_cost, pinned_curve
 from specdec.spec.limits import MAX_PROPOSE_TOKENS, validate_token_ids
 from specdec.runtime.kv_cache import PREFILL_CHUNK, SequenceCache, Steps, drive
 from specdec.runtime.kv_pool import KVPool
@@ -72,7 +72,14 @@ class ModelServiceBase(Generic[S]):
         self.live = LiveCurve(self.curve)
         scheduler = self.scheduler
 
+        # The curve prices one session's rows (what γ costs it); a forward gathering several
+        # sessions' calls runs the kernels fastest for its rows (lean's `_gathered`) and
+        # teaches it nothing, unless batches keep every session's bits (--batch-invariant).
+        invariant = self.loaded.lean is None or self.loaded.lean.batch_invariant
+
         def observed(rows: int, calls: int, ms: float, prefill_rows: int) -> None:
+            if calls > 1 and not invariant:
+                return
             self.live.observe(rows, ms, prefill_rows)
             if self.live.observed % refresh_every == 0:
                 scheduler.cost = RowCost(self.live.current().forward_ms)
@@ -218,6 +225,39 @@ def time_prefill_buckets(loaded: LoadedModel, prefill_chunk: int = PREFILL_CHUNK
         drive(SequenceCache(loaded, filler[:rows + 1]).prefill_steps(chunk=rows))  # one chunk of `rows`
 
 
+GATHERED_ROWS = 32  # the largest batch of decode rows timed at warm-up (more: timed at its first forward)
+
+
+def time_gathered_buckets(loaded: LoadedModel, max_sessions: int) -> dict[int, float]:
+    """For each row bucket n up to GATHERED_ROWS (and max_sessions), forwards of n sessions'
+    decode rows: the first chooses the kernels for batches of several sessions (lean's
+    `_gathered`) and makes their int8 weights before any request waits for it; the least of
+    two more is what such a batch costs, {n: ms}, for the scheduler's batch sizes. Nothing
+    where batches keep each session's bits (--batch-invariant) or the timed paths are not the CPU's."""
+    lean = loaded.lean
+    if lean is None or lean.batch_invariant or loaded.device.type != "cpu":
+        return {}
+    started = time.perf_counter()
+    prompt = [(5 * i + 1) % loaded.vocab_size for i in range(16)]
+    costs = {}
+    for sessions in sorted({kernels.bucket(n) for n in range(2, min(GATHERED_ROWS, max_sessions) + 1)}):
+        seqs = [SequenceCache(loaded, prompt) for _ in range(sessions)]
+        for seq in seqs:
+            seq.prefill()
+        times = []
+        for _ in range(3):
+            for seq in seqs:    # the same row again: a decode step taken back
+                seq.cache.length = len(prompt) - 1
+            begun = time.perf_counter()
+            lean.batch([(torch.tensor(seq.tokens[-1:], device=loaded.device), seq.cache, 1) for seq in seqs])
+            times.append((time.perf_counter() - begun) * 1e3)
+        costs[sessions] = round(min(times[1:]), 3)
+    log.info("kernels for batches of 2..%d sessions' rows timed in %.1f s; such a batch's ms by rows: %s",
+             min(GATHERED_ROWS, max_sessions), time.perf_counter() - started,
+             ", ".join(f"{n}: {ms:.1f}" for n, ms in costs.items()))
+    return costs
+
+
 CURVE_PREFIX = 128  # tokens cached before each timed forward: a short prompt's worth
 
 
@@ -284,13 +324,15 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
                 cost_curve_rows: int = 0, kv_cache_mb: float = 0.0, prefill_chunk: int = PREFILL_CHUNK,
                 max_batch_rows: int = MAX_BATCH_ROWS, cost_curve: CostCurve | None = None,
                 auth_token: str | None = None, prefill_weights: str = "dense",
-                prefix_cache: str = "on", kernel_rows: int = 1) -> RunningServer:
+                prefix_cache: str = "on", kernel_rows: int = 1, batch_invariant: bool = False) -> RunningServer:
     """Start a model service; it reports SERVING only once the model is warm.
     `cost_curve`: publish this curve instead of timing one at warm-up (None: the
     one the environment pins, else timed over `cost_curve_rows` rows, and with it the
     prefill paths of every chunk's row bucket)."""
     refuse_if_exposed(service_name, host, tls, uds, auth_token)
     kernels.choose_at(kernel_rows)
+    if loaded.lean is not None:
+        loaded.lean.batch_invariant = batch_invariant
     if prefill_chunk < 1 or max_batch_rows < 1:
         raise ValueError(f"--prefill-chunk ({prefill_chunk}) and --max-batch-rows ({max_batch_rows}) must be >= 1")
     if prefill_weights == "dense":  # before the KV pool takes its share of what memory is left
@@ -309,6 +351,9 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
     pinned = cost_curve or pinned_curve(service_name)
     if not pinned and cost_curve_rows > 0:  # timed with the curve, or at a bucket's first call
         torch_thread.run(time_prefill_buckets, loaded, prefill_chunk)
+        gathered = torch_thread.run(time_gathered_buckets, loaded, max_sessions)
+    else:
+        gathered = {}
     servicer.curve = pinned or torch_thread.run(measure_cost_curve, loaded, cost_curve_rows)
     log.info("%s: forward ms by rows (1..%d): %s; prefill %.2f ms a token%s", service_name,
              len(servicer.curve.forward_ms), ", ".join(f"{ms:.1f}" for ms in servicer.curve.forward_ms),
@@ -317,6 +362,7 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
         log.info("%s: kernels chosen by timing: %s", service_name, "; ".join(choices))
     if servicer.curve.forward_ms:  # batches sized on the measured curve
         scheduler.cost = RowCost(servicer.curve.forward_ms)
+        scheduler.batch_cost = gathered_cost(servicer.curve.forward_ms[0], gathered)
         if not pinned:  # a pinned curve stays as given (tests, policy comparisons)
             servicer.follow_forwards()
     if pool is not None:

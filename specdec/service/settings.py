@@ -79,6 +79,13 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
                                  "where it has several (llama.cpp's, fbgemm's, torch's): 1 favours one client's "
                                  "tokens per second; a service batching many sessions is served better by its "
                                  "usual rows a forward (8 clients: 8 or more)"), up=True),
+    S("--batch-invariant", dict(action="store_true",
+                                help="rows of several sessions in one forward get the bits each session alone would "
+                                     "(the kernels a decode step needs, row by row): a session's output never depends "
+                                     "on who else is served, at the cost of batching (8 clients' rows cost about 5x "
+                                     "one's on a 2-core CPU, docs/batching.md); default: the kernels timed fastest for "
+                                     "the batch's rows, as vLLM and SGLang do, where other rows may move a session's "
+                                     "rounding at near-ties"), up=True),
     S("--max-batch-rows", dict(type=int, default=512,
                                help="most rows in one batched forward (within it, the cost curve sizes each batch)"),
       up=True),

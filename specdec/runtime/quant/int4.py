@@ -34,6 +34,11 @@ PACK_BLOCK_ROWS = 64  # row granularity of reads and fused parts: a whole number
 # by 5% of their output (the kernel check's 3% leaves them out anyway), and the 4-bit down
 # projections, re-rounded, failed it on some layers and took top-1 under 0.99 (docs/kernels.md).
 INT8_ACTIVATION_LAYERS = ("mlp.gate_proj", "mlp.up_proj")
+# ...through kernels keeping at least this many bits of a row: the first position's hidden state
+# (the attention sink) carries channels hundreds of times the others, even after the norm, and
+# 8 bits a row left the 1.5B's logits 60% off over 8 tokens from position 0 (the ggml graph's
+# check caught it) where 14 bits kept them within 3%.
+GATE_UP_BITS = 14
 
 
 def q4k_codes(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -233,9 +238,10 @@ class Int4Linear(nn.Module):
                 accel += kernels.prepared("gguf-blocks", (self.gguf_blocks, self.ggml_type,
                                                           self.in_features), reference, per_row=True,
                                           in_features=self.in_features)
-            if self.int8_activations and kernels.usable("int8-channel", per_row=True):
+            if self.int8_activations and kernels.usable("int8-channel", per_row=True, activation_bits=GATE_UP_BITS):
                 codes, scales = per_row_int8(self.dense_weight(torch.float32))
-                accel += kernels.prepared("int8-channel", (codes, scales), reference, per_row=True)
+                accel += kernels.prepared("int8-channel", (codes, scales), reference, per_row=True,
+                                          activation_bits=GATE_UP_BITS)
             self._accel = accel
         return accel
 
