@@ -3,7 +3,9 @@
 Where a source does not pay on the current estimates the controller still
 tries it now and then (a probe), or estimates learned from a bad stretch would
 keep it off for good: the drafter's prefill for a request refused it, a model
-round after rounds at γ = 0, a lookup bucket judged bad. A probe is taken only
+round after rounds at γ = 0, a lookup bucket judged bad, a token a Decode call
+(where a chunk would do) so that a lookup can follow it while lookups keep
+nothing (charged its call's cost: policy.decode_steps). A probe is taken only
 
   - within reach: the acceptance at which the source would pay on the current
     cost curves (its break-even: the least α at which some γ beats target-only
@@ -32,6 +34,7 @@ from coordinator.gamma.cost import CostModel
 BUDGET_SHARE = 0.05  # of a request's expected target-only decode time
 REACH_Z = 2.0        # standard errors above the acceptance estimate that a probe may hope for
 PREFILL, MODEL_ROUND, LOOKUP_ROUND = "drafter_prefill", "model_round", "lookup_round"
+LOOKUP_WAIT = "lookup_wait"   # a one-token Decode call kept for a lookup that is not yet keeping tokens
 
 
 @dataclass

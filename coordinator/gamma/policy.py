@@ -14,7 +14,7 @@ from specdec.spec.sampling import SamplingConfig
 from coordinator.gamma.acceptance import (MATCH_BUCKETS, Acceptance, Calibration, cumulative, lookup_acceptances,
                                           match_bucket)
 from coordinator.gamma.cost import LOAD_ALONE, CostModel
-from coordinator.gamma.explore import LOOKUP_ROUND, MODEL_ROUND, Exploration, break_even, within_reach
+from coordinator.gamma.explore import LOOKUP_ROUND, LOOKUP_WAIT, MODEL_ROUND, Exploration, break_even, within_reach
 from coordinator.gamma.load import ServiceLoad
 from coordinator.rounds import RoundRecord
 
@@ -86,6 +86,7 @@ class GammaController:
         self.lookup_skips = [0] * len(MATCH_BUCKETS)     # lookups not taken since one was, per bucket
         self.exploration = exploration or Exploration()  # the probes' budget and ledger (none: no ceiling)
         self._probe_kind: str | None = None              # the round begun is a probe of this kind
+        self._lookup_kept = False                        # the last round kept lookup tokens
 
     def without_model(self) -> None:
         """The request goes on with free drafts alone: the model's γ is 0 for good."""
@@ -183,17 +184,32 @@ class GammaController:
         """Target tokens to decode in a round that drafts nothing: one, so that the
         next lookup comes after it, where lookups keep more tokens (less what their
         rows cost) than a verifier call costs beyond its forward (and no batch
-        waits); else up to `chunk`, or
-        to the next probe, in one call."""
-        chunk = max(1, min(chunk, self.steps_until_probe()))
+        waits); else up to `chunk`, or to the next probe, in one call.
+
+        A one-token call is a wager on the next lookup. While lookups are keeping
+        tokens it is paid for; else (the yield still its prior, or fading after a
+        stretch of lookups) each such call is exploration, charged its call's cost
+        against the request's budget (explore.py), so a request whose history never
+        matches decodes in chunks once the budget is spent, not a call a token."""
+        chunk = max(1, min(chunk, self.steps_until_probe(chunk)))
         if looks_up and self.calls() <= LOAD_ALONE:
             cost = self.state.cost
-            if self.state.lookup_yield * cost.verify_ms(0) > cost.call_overhead_ms():
-                return 1
+            overhead = cost.call_overhead_ms()
+            if self.state.lookup_yield * cost.verify_ms(0) > overhead:
+                if self._lookup_kept:
+                    return 1
+                if self.exploration.affordable(overhead):
+                    self.exploration.charge(LOOKUP_WAIT, overhead)
+                    return 1
         return chunk
 
-    def steps_until_probe(self) -> int:
-        """At γ = 0: target tokens to decode before the next probe round (at least 1)."""
+    def steps_until_probe(self, most: int) -> int:
+        """At γ = 0: target tokens to decode before the next probe round (at least 1), or
+        `most` where no probe could be taken now (no model, out of reach or budget): a probe
+        due but refused must not cut every later Decode call to one token (at 78e3ecd,
+        requests at γ = 0 made 56 calls for 64 tokens, target-only 5)."""
+        if not self._model_probe_allowed():
+            return most
         return max(1, self.probe_every - self.rounds_at_zero)
 
     def model_in_reach(self) -> bool:
@@ -262,6 +278,7 @@ class GammaController:
             rows_cost = (state.cost.verify_ms(lookup_drafted) - step) / step if step > 0 else 0.0
             state.lookup[match_bucket(round.lookup_match)].observe(lookup_drafted, lookup_accepted)
         state.lookup_yield += 0.1 * (lookup_accepted - rows_cost - state.lookup_yield)
+        self._lookup_kept = lookup_accepted > 0
         # The model's drafts were judged only if every lookup token before them was kept.
         if round.judged_from(MODEL):
             state.acceptance.observe(round.drafted_by(MODEL), round.accepted_by(MODEL))
