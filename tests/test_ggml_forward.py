@@ -107,6 +107,7 @@ def test_a_calls_logits_do_not_depend_on_what_shares_its_forward(tmp_path, pinne
     model, _ = tiny_qwen(tmp_path)
     pinned(name)
     forward = lean.LeanForward(model)
+    forward.batch_invariant = True   # two sessions' calls keep their own bits (else: lean's `_gathered`)
     a, b, c = (torch.tensor(t) for t in ([9, 8, 7, 6, 5, 4], [1, 2, 3], [30, 31, 32, 33, 34, 35, 36, 37, 38]))
 
     def fresh():
