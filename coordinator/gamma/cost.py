@@ -202,6 +202,11 @@ class CostModel:
     def round_ms(self, gamma: int, calls: float = 1.0) -> float:
         return self.draft_ms(gamma, calls) + self.verify_ms(gamma, calls)
 
+    def forward_ms(self) -> float:
+        """The verifier's own one-row forward as it publishes it (its warm-up or live curve),
+        not a round's time: what a target step costs without a call around it."""
+        return self.verify_curve.measured[0] if self.verify_curve is not None else self.verify(0)
+
     def call_overhead_ms(self) -> float:
         """What a verifier call costs beyond its forwards (RPC, sampling, the round's
         bookkeeping): the fixed part of the Decode calls' line."""

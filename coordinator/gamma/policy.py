@@ -198,8 +198,13 @@ class GammaController:
             if self.state.lookup_yield * cost.verify_ms(0) > overhead:
                 if self._lookup_kept:
                     return 1
-                if self.exploration.affordable(overhead):
-                    self.exploration.charge(LOOKUP_WAIT, overhead)
+                # Expected to cost what such calls cost so far (the fitted call overhead before
+                # any); charged in `observe` at what it took beyond one step of the verifier's
+                # own forward, which a Decode line fitted to these very calls cannot tell apart.
+                waits = self.exploration.ledger.get(LOOKUP_WAIT)
+                expected = waits.ms / waits.count if waits is not None and waits.count else overhead
+                if self.exploration.affordable(expected):
+                    self._probe_kind = LOOKUP_WAIT
                     return 1
         return chunk
 
@@ -259,8 +264,9 @@ class GammaController:
         state.rounds += 1
         if self._probe_kind is not None:   # charged at what it cost beyond target-only decoding
             tokens = round.accepted + max(round.steps, 1)
-            self.exploration.charge(self._probe_kind, round.draft_ms + round.verify_ms -
-                                    tokens * state.cost.verify_ms(0, self.calls()))
+            step = state.cost.forward_ms() if self._probe_kind == LOOKUP_WAIT else \
+                state.cost.verify_ms(0, self.calls())
+            self.exploration.charge(self._probe_kind, round.draft_ms + round.verify_ms - tokens * step)
             self._probe_kind = None
         # What was drafted, not what was asked for: a confidence stop may draft fewer.
         state.cost.observe(round.drafted, round.draft_ms, round.verify_ms / max(round.steps, 1),
