@@ -37,7 +37,9 @@ class Limits:
     default_gamma: int | None    # None: adaptive (see coordinator.gamma)
     max_propose_tokens: int     # the most tokens the proposer drafts in one call
     gamma_max: int = 8           # adaptive γ ranges over [0, gamma_max]
-    seeded_gamma: int = 4        # adaptive γ follows timing, so seeded sampling keeps a fixed γ
+    # Adaptive γ follows timing, so seeded sampling keeps a fixed γ: the best on the services'
+    # warm-up curves at the prior acceptance (coordinator.service; 0 where drafting cannot pay).
+    seeded_gamma: int = 4
     max_token_chars: int = 1024  # the most characters one token of the tokenizer decodes to
 
 

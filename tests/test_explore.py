@@ -197,3 +197,16 @@ def test_a_token_a_call_for_lookups_that_keep_nothing_is_charged_until_the_budge
     assert c.decode_steps(16, looks_up=True) == 1 and c.exploration.ledger[LOOKUP_WAIT].count == 4
     # Without lookups in the request nothing is wagered, budget or not.
     assert controller(budget_ms=None).decode_steps(16, looks_up=False) == 16
+
+
+def test_a_seeded_sampled_requests_fixed_gamma_is_0_where_the_start_curves_say_drafting_cannot_pay():
+    # Chosen once from the curves the services published at start, at the prior acceptance
+    # (0.6): on a 2-core CPU's shape the model pays only from about 0.89, so seeded samples
+    # decode target-only; where rows are nearly free they draft, up to 4.
+    from coordinator.gamma.bound import best_speedup
+    from coordinator.service import seeded_gamma
+    assert seeded_gamma(CPU_VERIFY, CPU_DRAFT, 8) == 0
+    flat = seeded_gamma(FLAT_VERIFY, FLAT_DRAFT, 8)
+    assert flat == best_speedup(FLAT_VERIFY, FLAT_DRAFT[0], 0.6, 4)[1] and 1 <= flat <= 4
+    assert seeded_gamma(FLAT_VERIFY, FLAT_DRAFT, 2) <= 2          # never past what the proposer drafts
+    assert seeded_gamma([], [], 8) == 4 and seeded_gamma(CPU_VERIFY, [], 3) == 3   # no curves: as before

@@ -43,6 +43,15 @@ def best_speedup(verify_ms: Sequence[float], draft_ms: float = 0.0, acceptance: 
     return max((speedup(verify_ms, g, draft_ms, acceptance), g) for g in range(1, top + 1))
 
 
+def fixed_gamma(verify_ms: Sequence[float], draft_ms: float, acceptance: float, gamma_max: int) -> int:
+    """The γ of best expected speedup on these curves at this acceptance, 0 where none
+    beats target-only decoding: a fixed γ that does not follow timing."""
+    if not verify_ms or gamma_max < 1:
+        return 0
+    speed, gamma = best_speedup(verify_ms, draft_ms, acceptance, gamma_max)
+    return gamma if speed > 1.0 else 0
+
+
 def least_acceptance(speedup_at: Callable[[float], float], tolerance: float = 1e-3) -> float | None:
     """The least acceptance at which speedup_at(α) reaches 1 (None: not even at α = 1).
     Speedup grows with acceptance, so a bisection."""
