@@ -320,10 +320,10 @@ class LeanForward:
                   graph: "ggml_forward.GraphForward | None", lengths: list[int]) -> list[torch.Tensor]:
         """Several sessions' decode and verify calls (and any prefill chunks beside them) in
         one forward, on the path timed fastest for the forward's row bucket: torch's ops with
-        each layer on the kernel fastest for the rows (`kernels.gathered`: an int8 GEMM
-        takes 8 rows for little more than one, where the per-row kernels a session's exact
-        bits need cost nearly 8 times), or the exact path (the ggml graph's rows one GEMV
-        at a time), which a few rows may still favour. Timing a path runs the forward again
+        each layer on the kernel fastest for the rows (`kernels.gathered`: kernels that share
+        a weight's de-quantization among rows, torch's int4 four rows a pass, where the
+        graph's GEMVs, which a session's exact bits need, pay it again for every row), or the
+        exact path itself, which a few rows may still favour. Timing a path runs the forward again
         from the same cache lengths, over the same keys and values."""
         def torch_path() -> list[torch.Tensor]:
             with kernels.gathered():
