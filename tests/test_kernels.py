@@ -267,9 +267,7 @@ def test_fbgemm_made_per_row_computes_a_row_the_same_whatever_shares_its_call():
 @needs_avx2
 def test_fbgemm_row8_runs_on_the_per_row_weight_keeps_a_row_alone_and_is_offered_only_8_bit_layers():
     generator = torch.Generator().manual_seed(5)
-    weight = torch.randn(96, 256, generator=generator)
-    scales = weight.abs().amax(dim=1) / 127
-    codes = torch.round(weight / scales[:, None]).to(torch.int8)
+    codes, scales = int8.per_row_int8(torch.randn(96, 256, generator=generator))
     reference = lambda x: x @ (codes.float() * scales[:, None]).t()   # noqa: E731
     offered = dict(kernels.prepared("int8-channel", (codes, scales), reference, per_row=True))
     by_name = {b.name: state for b, state in offered.items()}

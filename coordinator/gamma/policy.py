@@ -188,8 +188,8 @@ class GammaController:
 
         A one-token call is a wager on the next lookup. While lookups are keeping
         tokens it is paid for; else (the yield still its prior, or fading after a
-        stretch of lookups) each such call is exploration, charged its call's cost
-        against the request's budget (explore.py), so a request whose history never
+        stretch of lookups) each such call is exploration, charged what it took beyond
+        a target step against the request's budget (explore.py), so a request whose history never
         matches decodes in chunks once the budget is spent, not a call a token."""
         chunk = max(1, min(chunk, self.steps_until_probe(chunk)))
         if looks_up and self.calls() <= LOAD_ALONE:

@@ -336,6 +336,21 @@ def _fbgemm_row_prepare(codes: torch.Tensor, scales: torch.Tensor):
     return fbgemm_pack(codes, scales.float(), None), ones
 
 
+def _onto_unit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row of x mapped affinely onto [-1, 1] by its own minimum and maximum: the
+    mapped rows [M, K], each row's width [M, 1] and its centre [M, 1] (twice its midpoint)."""
+    x = x.float()
+    low, high = torch.aminmax(x, dim=1, keepdim=True)                                  # [M, 1] each
+    width = (high - low).clamp_(min=1e-30)
+    centre = high + low
+    return (2 * x - centre).div_(width), width, centre
+
+
+def _off_unit(y: torch.Tensor, width: torch.Tensor, centre: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
+    """The product of the mapped rows back to x's: the map undone from the weight's row sums."""
+    return y.mul_(width).addcmul_(centre, ones).mul_(0.5)
+
+
 def _fbgemm_row_run(state, x: torch.Tensor) -> torch.Tensor:
     """fbgemm's int8 GEMM, made per row and finer. fbgemm's dynamic GEMM scales the
     activations by the range of the whole call, so a row's output would depend on the
@@ -349,18 +364,13 @@ def _fbgemm_row_run(state, x: torch.Tensor) -> torch.Tensor:
     The affine map is undone per row from the weight's row sums (`ones`)."""
     packed, ones = state
     levels, step, zero = _fbgemm_grid()
-    x = x.float()
     rows = x.shape[0]
-    low, high = torch.aminmax(x, dim=1, keepdim=True)                                  # [M, 1] each
-    width = (high - low).clamp_(min=1e-30)
-    centre = high + low
-    scaled = (2 * x - centre).div_(width)                                             # [M, K] in [-1, 1]
+    scaled, width, centre = _onto_unit(x)                                             # [M, K] in [-1, 1]
     coarse = torch.round(scaled / step).clamp_(-zero, levels - zero).mul_(step)       # on fbgemm's grid
     fine = (scaled - coarse).mul_(2 / step)                                           # in [-1, 1]
     y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
         torch.cat([coarse, fine]), step, zero, packed)                                # [2M, N]
-    y = y[:rows].add_(y[rows:], alpha=step / 2)
-    return y.mul_(width).addcmul_(centre, ones).mul_(0.5)
+    return _off_unit(y[:rows].add_(y[rows:], alpha=step / 2), width, centre, ones)
 
 
 # torch's own fbgemm (every x86 build), per row as above: the int8 x int8 GEMM for CPUs
@@ -373,17 +383,13 @@ register(Backend("fbgemm-int8-row", "int8-channel", "torch", _fbgemm_row_prepare
 def _fbgemm_row8_run(state, x: torch.Tensor) -> torch.Tensor:
     """As `_fbgemm_row_run`, the coarse pass alone: each row's own 8 bits (7 without VNNI),
     one GEMM call of M rows. For the layers whose inputs hold no outlier channels
-    (post-norm q/k/v and gate/up, the LM head): as fast as fbgemm's dynamic GEMM, and a
-    row's output still the same whatever shares the call."""
+    (the LM head): as fast as fbgemm's dynamic GEMM, and a row's output still the same
+    whatever shares the call."""
     packed, ones = state
-    levels, step, zero = _fbgemm_grid()
-    x = x.float()
-    low, high = torch.aminmax(x, dim=1, keepdim=True)
-    width = (high - low).clamp_(min=1e-30)
-    centre = high + low
-    scaled = (2 * x - centre).div_(width)
+    _, step, zero = _fbgemm_grid()
+    scaled, width, centre = _onto_unit(x)
     y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(scaled, step, zero, packed)
-    return y.mul_(width).addcmul_(centre, ones).mul_(0.5)
+    return _off_unit(y, width, centre, ones)
 
 
 register(Backend("fbgemm-int8-row8", "int8-channel", "torch", _fbgemm_row_prepare, _fbgemm_row8_run, per_row=True,
