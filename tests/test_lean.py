@@ -282,3 +282,40 @@ def test_rows_of_several_sessions_take_the_batch_kernel_unless_batch_invariant(m
     assert any("gathered rows<=2: fbgemm-int8-row" in line for line in kernels.choices())
     again = prefilled()  # one session's rows after the batch: its own bits still
     assert torch.equal(forward(torch.tensor(prompts[0][-1:]), again[0], keep_last=1), alone[0])
+
+
+def test_gathered_attention_runs_on_one_thread_and_gives_the_threads_back(monkeypatch):
+    # A batch of several sessions' decode rows runs each session's attention on one torch
+    # thread (two threads' wake-ups cost more than its few KB of work); a session alone,
+    # and every other op, keep the process's threads, also after an attention that failed.
+    monkeypatch.setattr(kernels, "_CHOICE", {})
+    forward = _tiny_int4_forward()
+    seen: list[int] = []
+    real = lean._bmm_attention
+
+    def recording(*args):
+        seen.append(torch.get_num_threads())
+        return real(*args)
+    monkeypatch.setattr(lean, "_bmm_attention", recording)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        caches = [forward.new_cache() for _ in range(2)]
+        for j, cache in enumerate(caches):
+            forward(torch.tensor([5 + j, 6, 7]), cache, keep_last=1)
+        seen.clear()
+        forward(torch.tensor([9]), caches[0], keep_last=1)
+        assert seen and set(seen) == {2}
+        seen.clear()
+        forward.batch([(torch.tensor([9]), caches[0], 1), (torch.tensor([10, 11]), caches[1], 2)])
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+
+        def failing(*args):
+            raise RuntimeError("attention failed")
+        monkeypatch.setattr(lean, "_bmm_attention", failing)
+        with pytest.raises(RuntimeError, match="attention failed"):
+            forward.batch([(torch.tensor([12]), caches[0], 1), (torch.tensor([13]), caches[1], 1)])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

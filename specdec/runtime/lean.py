@@ -19,6 +19,9 @@ DynamicCache, which `SequenceCache` uses for models this forward does not cover)
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -168,6 +171,26 @@ def _attention_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     rows = q.shape[1]
     return torch.cat([_bmm_attention(q[:, r:r + 1], k[:, :start + r + 1], v[:, :start + r + 1], None)
                       for r in range(rows)], dim=1)
+
+
+@contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    """Within: torch's CPU ops on `threads` threads (0: unchanged).
+
+    The attention of a decode or verify call is a dozen ops on a few KB; on two
+    threads each waits to wake the other OpenMP worker. In a forward of 8 sessions'
+    decode rows on the 1.5B target (2-core EPYC) the 224 per-sequence attentions took
+    47 ms of 155 on two threads and 9 of 120 on one; at 1,000 cached tokens a session,
+    58 against 62 ms. Set per call, it costs the omp_set_num_threads of each."""
+    if not threads:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class _Layer:
@@ -327,7 +350,7 @@ class LeanForward:
         from the same cache lengths, over the same keys and values."""
         def torch_path() -> list[torch.Tensor]:
             with kernels.gathered():
-                return self._batch(items)
+                return self._batch(items, attention_threads=1)
         if graph is None:
             return torch_path()
 
@@ -350,7 +373,10 @@ class LeanForward:
             self._graph_choice = ggml_forward.choose(self) or False
         return self._graph_choice or None
 
-    def _batch(self, items: list[tuple[torch.Tensor, StaticKVCache, int]]) -> list[torch.Tensor]:
+    def _batch(self, items: list[tuple[torch.Tensor, StaticKVCache, int]],
+               attention_threads: int = 0) -> list[torch.Tensor]:
+        """attention_threads: the torch threads each layer's per-sequence attention runs on
+        (0: as many as the rest of the forward)."""
         spans = []                                                                       # (rows, start, end)
         for ids, cache, _ in items:
             rows, start = ids.shape[0], cache.length
@@ -375,7 +401,7 @@ class LeanForward:
         for rows, _, _ in spans:
             offsets.append(offsets[-1] + rows)
         with dense_rows.by_call([rows for rows, _, _ in spans], prefill):  # each call's rows on its own path
-            x = self._layers(x, items, spans, offsets, cos, sin, masks, by_row)
+            x = self._layers(x, items, spans, offsets, cos, sin, masks, by_row, attention_threads)
         for (_, _, end), (_, cache, _) in zip(spans, items):
             cache.length = end
         # The LM head only over the rows kept: [sum keep_last, hidden].
@@ -392,11 +418,13 @@ class LeanForward:
 
     def _layers(self, x: torch.Tensor, items: list[tuple[torch.Tensor, StaticKVCache, int]],
                 spans: list[tuple[int, int, int]], offsets: list[int], cos: torch.Tensor, sin: torch.Tensor,
-                masks: list[torch.Tensor | None], by_row: list[bool]) -> torch.Tensor:
+                masks: list[torch.Tensor | None], by_row: list[bool], attention_threads: int = 0) -> torch.Tensor:
         """The decoder layers over x [R, hidden] (sequence j's rows at offsets[j]:offsets[j + 1],
         its positions spans[j]), each sequence's keys and values into its cache; sequence j's
-        attention under masks[j], or row by row where by_row[j]."""
+        attention under masks[j], or row by row where by_row[j]; a decode or verify call's
+        (logits kept) on `attention_threads` threads where that is set."""
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        threads = [attention_threads if keep_last > 0 else 0 for _, _, keep_last in items]
         for i, layer in enumerate(self.layers):
             qk, v = layer.project_qk_v(_rms_norm(layer.input_norm, x), heads + kv_heads, dim)  # [R, h + kv, dim]
             qk = _rotary(qk, cos, sin)
@@ -407,8 +435,9 @@ class LeanForward:
                 kv[i, 0, :, start:end] = qk[lo:hi, heads:].transpose(0, 1)                 # [kv_heads, T, dim]
                 kv[i, 1, :, start:end] = v[lo:hi].reshape(rows, kv_heads, dim).transpose(0, 1)
                 q, keys, values = qk[lo:hi, :heads].transpose(0, 1), kv[i, 0, :, :end], kv[i, 1, :, :end]
-                out = (_attention_by_row(q, keys, values, start) if by_row[j]
-                       else _attention(q, keys, values, masks[j]))                        # [heads, T, dim]
+                with _torch_threads(threads[j]):
+                    out = (_attention_by_row(q, keys, values, start) if by_row[j]
+                           else _attention(q, keys, values, masks[j]))                    # [heads, T, dim]
                 outs.append(out.transpose(0, 1).reshape(rows, heads * dim))
             x = x + layer.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
             x = x + layer.feed_forward(_rms_norm(layer.post_norm, x))
