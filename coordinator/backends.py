@@ -5,7 +5,8 @@ A watcher per backend polls `grpc.health.v1`. A backend that stops answering is
 marked down at once (or when a call to it fails); while it is down the watcher
 retries with exponential backoff, and a backend that comes back is checked
 again before it is trusted: same tokenizer as the target, or it stays down.
-- drafter down: requests decode target-only (same output, just slower);
+- drafter down: requests decode target-only (same output, just slower), those
+  waiting on one of its calls included: the calls are abandoned at once;
 - verifier down: requests fail fast with UNAVAILABLE, and the coordinator's
   own health turns NOT_SERVING until it is back.
 """
@@ -164,6 +165,8 @@ class Backends:
         self.verifier_watch = BackendWatch("verifier", self.verifier, self._recheck_verifier, watch)
         self.drafter_watch = BackendWatch("drafter", self.drafter, self._recheck_drafter, watch) \
             if self.drafter else None
+        if self.drafter_watch is not None:  # requests waiting on a drafter found down go on without it, now
+            self.drafter_watch.on_change(lambda up: up or self.drafter.abandon_in_flight())
         for w in filter(None, (self.verifier_watch, self.drafter_watch)):
             w.start()
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import threading
 import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.backends import WatchSettings
 from specdec_tools import launcher
 from specdec.rpc.errors import unavailable_message
 from specdec.rpc.serving import channel
@@ -129,6 +131,50 @@ def test_a_hung_drafter_is_given_up_on_after_the_drafter_timeout(models):
         assert c.stub.Generate(long_request(), timeout=60).stats.draft_tokens > 0
         # Sessions end after the last message is sent: give the EndSession calls a moment.
         assert wait_for(lambda: draft.active_sessions() == 0 and target.active_sessions() == 0, 10)
+
+
+def test_requests_waiting_on_a_hung_drafter_leave_it_when_the_watch_marks_it_down(models):
+    """Four streams in flight, the drafter stopped (SIGSTOP) under the default 30 s
+    --drafter-timeout: the watch marks it down within its check interval and timeout
+    (1 + 2 s), and every call waiting on it is abandoned then, not 30 s later; each
+    stream goes on target-only from where it was, with the same tokens."""
+    draft, target = models
+    watch = WatchSettings()
+    with served_coordinator(drafter=draft.address, verifier=target.address, watch=watch) as c:
+        request = long_request(tokens=400)
+        reference = list(c.stub.Generate(long_request(speculate=False, tokens=400), timeout=60).token_ids)
+        started = time.monotonic()
+        assert list(c.stub.Generate(request, timeout=60).token_ids) == reference
+        alone_s = time.monotonic() - started
+        streams = [c.stub.GenerateStream(request, timeout=90) for _ in range(4)]
+        received = [list(next(s).token_ids) + list(next(s).token_ids) for s in streams]  # a round each
+        draft.child.process.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        finals: list = [None] * 4
+        ended: list[float] = [0.0] * 4
+
+        def drain(i: int) -> None:
+            for message in streams[i]:
+                received[i] += message.token_ids
+                finals[i] = message
+            ended[i] = time.monotonic() - stopped_at
+        try:
+            threads = [threading.Thread(target=drain, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(90)
+        finally:
+            draft.child.process.send_signal(signal.SIGCONT)
+        assert all(r == reference for r in received)
+        assert all("stopped answering its health checks" in f.stats.fallback for f in finals), \
+            [f.stats.fallback for f in finals]
+        # Detection (interval + timeout) and then the rest of a stream alone, with a loaded
+        # machine's margin; the 30 s --drafter-timeout is far above it.
+        bound = watch.interval_s + watch.timeout_s + alone_s + 3.0
+        assert max(ended) < bound < 30, (ended, alone_s)
+        assert c.backends.drafter.abandoned >= 1
+        assert wait_for(lambda: draft.active_sessions() == 0 and target.active_sessions() == 0, 20)
 
 
 def test_a_stalled_drafter_holds_no_answer_up_and_its_sessions_end_when_it_is_back(models):
