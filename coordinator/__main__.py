@@ -13,6 +13,7 @@ from specdec.rpc.serving import catch_stop_signals, run_until_signal
 
 from specdec.spec.wire import Truncation
 
+from coordinator.backends import watch_settings
 from coordinator.service import CoordinatorConfig, serve
 from coordinator.settings import add_settings
 
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
             gamma_max=args.gamma_max, metrics_port=args.metrics_port, max_new_tokens=args.max_new_tokens,
             connect_timeout_s=args.connect_timeout, max_sessions=args.max_sessions,
             max_message_bytes=args.max_message_bytes, log_prompts=args.log_prompts, tls=server_tls(args),
-            drafter_timeout_s=args.drafter_timeout,
+            drafter_timeout_s=args.drafter_timeout, watch=watch_settings(args.session_lease),
             draft_truncation=Truncation(args.draft_top_k, args.draft_top_p),
             lookup_history_tokens=args.lookup_history_tokens, share_prefix_cache=args.share_prefix_cache == "on",
             auth_token=load_token(args.auth_token_env, args.auth_token_file),

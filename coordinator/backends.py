@@ -9,18 +9,22 @@ again before it is trusted: same tokenizer as the target, or it stays down.
   waiting on one of its calls included: the calls are abandoned at once;
 - verifier down: requests fail fast with UNAVAILABLE, and the coordinator's
   own health turns NOT_SERVING until it is back.
+Each check also renews this coordinator's lease on its sessions there (its
+instance id, `Backends.owner`): if the coordinator dies, the services end them
+within `lease_s`.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.rpc.errors import FailedPrecondition, SpecdecError
+from specdec.rpc.errors import FailedPrecondition, InvalidArgument, SpecdecError
 from specdec.rpc.security import ClientTls
 from specdec.rpc.serving import wait_until_serving
 from specdec.weights.tokenizer_fingerprint import describe, first_difference, load_tokenizer_files
@@ -41,6 +45,21 @@ class WatchSettings:
     timeout_s: float = 2.0         # a check slower than this counts as down
     min_backoff_s: float = 0.1     # between checks while down, doubling ...
     max_backoff_s: float = 5.0     # ... up to this
+    # The lease on this coordinator's sessions, renewed at every check: a coordinator
+    # that crashed has them ended within this (0: none, the services' TTL alone).
+    lease_s: float = 10.0
+
+
+MIN_LEASE_CHECKS = 3  # a lease lasts at least this many checks: one late renewal must not end the sessions
+
+
+def watch_settings(lease_s: float) -> WatchSettings:
+    """The default watch with this lease (--session-lease); InvalidArgument when too short."""
+    settings = WatchSettings(lease_s=lease_s)
+    if lease_s != 0 and lease_s < MIN_LEASE_CHECKS * settings.interval_s:
+        raise InvalidArgument(f"--session-lease must be 0 (none) or at least {MIN_LEASE_CHECKS * settings.interval_s:g} "
+                              f"s ({MIN_LEASE_CHECKS} health checks), got {lease_s:g}")
+    return settings
 
 
 class BackendWatch:
@@ -136,6 +155,7 @@ class BackendWatch:
     def _loop(self) -> None:
         backoff = self.settings.min_backoff_s
         while not self._stop.is_set():
+            self.client.renew_lease(self.settings.timeout_s)  # up or not: a lapse would end every session
             if self.check_once():
                 backoff, delay = self.settings.min_backoff_s, self.settings.interval_s
                 self._checks += 1
@@ -154,6 +174,9 @@ class Backends:
                  tls: ClientTls | None = None, watch: WatchSettings = WatchSettings(), token: str | None = None):
         self.verifier = VerifierClient(verifier, tls, token)
         self.drafter = DrafterClient(drafter, tls, token) if drafter else None
+        self.owner = uuid.uuid4().hex  # this coordinator's sessions, for their lease (a restart is a new owner)
+        for client in filter(None, (self.verifier, self.drafter)):
+            client.owner, client.lease_s = self.owner, watch.lease_s
         for client in filter(None, (self.verifier, self.drafter)):
             wait_until_serving(client.address, connect_timeout_s, tls=tls)
         self.target_info = self.verifier.info()

@@ -44,6 +44,24 @@ class ModelClient:
         self.stub = stub_cls(telemetry.traced_channel(self.channel))
         self._ending: set[grpc.Future] = set()  # EndSession calls in flight: close() lets them land
         self._ending_lock = threading.Lock()
+        # The sessions' owner (this coordinator's instance id) and its lease (Backends sets
+        # them): StartSession names them, and renew_lease keeps them all alive at once.
+        self.owner, self.lease_s = "", 0.0
+
+    def renew_lease(self, timeout: float) -> None:
+        """The owner's lease on every session it holds there, from now (not waited for:
+        a backend that does not answer is the watch's to find)."""
+        if self.owner and self.lease_s > 0:
+            try:
+                self.stub.KeepAlive.future(common_pb2.KeepAliveRequest(owner=self.owner, lease_s=self.lease_s),
+                                           timeout=timeout)
+            except ValueError:  # the channel is closed: this client is shutting down
+                pass
+
+    def session_request(self, session_id: str, prompt_ids: Sequence[int],
+                        cache_salt: bytes) -> common_pb2.StartSessionRequest:
+        return common_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt_ids,
+                                              cache_salt=cache_salt, owner=self.owner, lease_s=self.lease_s)
 
     def failure(self, method: str, exc: grpc.RpcError) -> RemoteError:
         """The public error for a failed call; the details stay in the log and the trace."""
@@ -113,8 +131,8 @@ class VerifierClient(ModelClient):
     def start_session(self, session_id: str, prompt_ids: Sequence[int], timeout: float | None = None,
                       cache_salt: bytes = b"") -> int:
         """Opens the session; returns the prompt tokens taken from the prefix cache."""
-        return self.call("StartSession", common_pb2.StartSessionRequest(
-            session_id=session_id, prompt_token_ids=prompt_ids, cache_salt=cache_salt), timeout).prefix_cached_tokens
+        return self.call("StartSession", self.session_request(session_id, prompt_ids, cache_salt),
+                         timeout).prefix_cached_tokens
 
     def verify(self, session_id: str, proposal: Proposal, sampling: SamplingConfig,
                timeout: float | None = None) -> RejectionOutput:
@@ -171,9 +189,8 @@ class DrafterClient(ModelClient):
                             cache_salt: bytes = b"") -> grpc.Future:
         """StartSession without waiting (its prefill overlaps the verifier's); the
         future's result is the StartSessionResponse."""
-        return self._track(self.stub.StartSession.future(
-            common_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt_ids, cache_salt=cache_salt),
-            timeout=timeout))
+        return self._track(self.stub.StartSession.future(self.session_request(session_id, prompt_ids, cache_salt),
+                                                         timeout=timeout))
 
     def match_prefix(self, prompt_ids: Sequence[int], cache_salt: bytes, timeout: float | None) -> int:
         """Leading tokens of the prompt the drafter's prefix cache holds (raises grpc.RpcError)."""

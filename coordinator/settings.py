@@ -72,6 +72,11 @@ SETTINGS: tuple[Setting, ...] = (
                                   help="largest request or response on the public port"), up=True),
     S("--drafter-timeout", dict(type=float, default=30.0,
                                 help="seconds a drafter call may take before the request goes on without it"), up=True),
+    S("--session-lease", dict(type=float, default=10.0,
+                              help="seconds the drafter and verifier keep this coordinator's sessions after its "
+                                   "last lease renewal (sent with every health check, each second): a coordinator "
+                                   "that crashes or restarts has its sessions ended within this, not at their "
+                                   "--session-ttl (0: no lease; at least 3 otherwise)"), up=True),
     S("--log-prompts", dict(action="store_true",
                             help="include prompt text in the request log (off by default: prompts are users' data)")),
     S("--auth-token-env", dict(metavar="VAR", help="require 'authorization: Bearer <token>', the token read from "

@@ -254,11 +254,59 @@ def test_coordinator_health_follows_the_verifier(models):
         assert wait_for(lambda: coordinator_health(address) == health_pb2.HealthCheckResponse.SERVING, 20)
 
 
-def spawn_coordinator(models, grace_s: float) -> launcher.Child:
+def spawn_coordinator(models, grace_s: float, *flags: str) -> launcher.Child:
     draft, target = models
     return launcher.wait_serving(launcher.spawn("coordinator", "coordinator", [
         "--drafter", draft.address, "--verifier", target.address, "--port", "0",
-        "--grace-period", str(grace_s)]), 120)
+        "--grace-period", str(grace_s), *flags]), 120)
+
+
+def ended_by_lease(process: ModelProcess) -> int:
+    stub_cls = drafter_pb2_grpc.DrafterStub if process.name == "drafter" else verifier_pb2_grpc.VerifierStub
+    with channel(process.address) as ch:
+        return stub_cls(ch).Info(common_pb2.InfoRequest(), timeout=5).sessions_ended_by_lease
+
+
+def test_a_killed_coordinators_sessions_end_when_its_lease_lapses(models):
+    """SIGKILL a coordinator with 8 streams in flight: nobody ends their sessions, and
+    the model services' TTL is 10 minutes; the lease (--session-lease, default 10 s,
+    renewed with every health check) ends them in both services within it, and a
+    coordinator started in its place serves at once."""
+    before = [ended_by_lease(m) for m in models]
+    child = spawn_coordinator(models, 5)
+    with channel(child.address) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        streams = [stub.GenerateStream(long_request(tokens=1000), timeout=60) for _ in range(8)]
+        for stream in streams:
+            next(stream)
+        assert wait_for(lambda: all(m.active_sessions() >= 8 for m in models), 10)
+        child.process.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        child.process.wait(10)
+    ended_at = [0.0, 0.0]
+
+    def all_ended() -> bool:
+        for i, m in enumerate(models):
+            if not ended_at[i] and m.active_sessions() == 0:
+                ended_at[i] = time.monotonic() - killed_at
+        return all(ended_at)
+    assert wait_for(all_ended, 30)
+    assert max(ended_at) < 15, ended_at
+    assert all(ended_by_lease(m) - b >= 8 for m, b in zip(models, before))
+    again = spawn_coordinator(models, 5)
+    try:
+        with channel(again.address) as ch:
+            reply = coordinator_pb2_grpc.CoordinatorStub(ch).Generate(long_request(tokens=50), timeout=60)
+            assert len(reply.token_ids) == 50
+    finally:
+        launcher.stop([again], grace_s=5)
+
+
+def test_a_lease_shorter_than_three_checks_is_refused(models):
+    draft, target = models
+    child = launcher.spawn("coordinator", "coordinator", ["--drafter", draft.address, "--verifier", target.address,
+                                                          "--port", "0", "--session-lease", "1"])
+    assert child.process.wait(60) == 2
 
 
 def refused(stub) -> bool:

@@ -21,7 +21,7 @@ from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.models import LoadedModel
 from specdec.rpc.security import ServerTls, refuse_if_exposed
 from specdec.rpc.serving import RunningServer, start_server
-from specdec.rpc.sessions import SessionStore
+from specdec.rpc.sessions import SessionStore, check_id
 from specdec.weights.tokenizer_fingerprint import tokenizer_files
 from specdec.v1 import common_pb2
 
@@ -39,6 +39,13 @@ T = TypeVar("T")
 MAX_BATCH_ROWS = 512
 KV_SHARE_OF_AVAILABLE = 0.4  # --kv-cache-mb 0: this share of the memory available at start
 LIVE_REFRESH = 64  # forwards between re-sizings of the scheduler's batches on the live curve
+MAX_CACHE_SALT_BYTES = 256  # as the public API's cache_salt (the coordinator sends a 32-byte digest)
+
+
+def check_salt(salt: bytes) -> bytes:
+    if len(salt) > MAX_CACHE_SALT_BYTES:
+        raise InvalidArgument(f"cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes, got {len(salt)}")
+    return bytes(salt)
 
 
 class ModelServiceBase(Generic[S]):
@@ -97,7 +104,8 @@ class ModelServiceBase(Generic[S]):
             pending_calls=self.scheduler.pending_calls,
             kv_tokens_used=self.pool.used_tokens if self.pool else 0,
             kv_tokens_budget=self.pool.budget_tokens if self.pool else 0, session_ttl_s=self.sessions.ttl_s,
-            kernel_choices=kernels.choices(), **self._prefix_info())
+            kernel_choices=kernels.choices(), sessions_ended_by_lease=self.sessions.ended_by_lease,
+            sessions_reaped_idle=self.sessions.reaped_idle, **self._prefix_info())
 
     def _prefix_info(self) -> dict[str, int]:
         if self.prefix is None:
@@ -120,9 +128,10 @@ class ModelServiceBase(Generic[S]):
                 f"prompt has {len(prompt)} tokens; the context window of {self.loaded.name} is "
                 f"{self.loaded.max_context}, leaving no room to generate")
         validate_token_ids(prompt, self.loaded.vocab_size, "prompt_token_ids")
-        salt = bytes(request.cache_salt)
+        salt = check_salt(request.cache_salt)
         reused = [0]
-        session = self.sessions.create(request.session_id, lambda: self._prefilled(prompt, salt, reused))
+        session = self.sessions.create(request.session_id, lambda: self._prefilled(prompt, salt, reused),
+                                       owner=request.owner, lease_s=request.lease_s)
         return common_pb2.StartSessionResponse(
             session_id=request.session_id, cached_tokens=session.seq.cached,
             tokenizer_fingerprint=self.loaded.fingerprint, prefix_cached_tokens=reused[0])
@@ -141,7 +150,8 @@ class ModelServiceBase(Generic[S]):
     def MatchPrefix(self, request, context) -> common_pb2.MatchPrefixResponse:
         prompt = list(request.prompt_token_ids)
         validate_token_ids(prompt, self.loaded.vocab_size, "prompt_token_ids")
-        cached = self.prefix.match(prompt, bytes(request.cache_salt)) if self.prefix is not None else 0
+        salt = check_salt(request.cache_salt)
+        cached = self.prefix.match(prompt, salt) if self.prefix is not None else 0
         return common_pb2.MatchPrefixResponse(cached_tokens=cached)
 
     @contextmanager
@@ -163,9 +173,18 @@ class ModelServiceBase(Generic[S]):
                 self.prefix.store(session.seq, session.seq.cache_salt)
 
     def KeepAlive(self, request, context) -> common_pb2.KeepAliveResponse:
-        return common_pb2.KeepAliveResponse(existed=self.sessions.touch(request.session_id))
+        if not request.session_id and not request.owner:
+            raise InvalidArgument("KeepAlive needs a session_id, an owner (with lease_s), or both")
+        reply = common_pb2.KeepAliveResponse()
+        if request.owner:
+            reply.owned_sessions = self.sessions.renew(request.owner, request.lease_s)
+        if request.session_id:
+            check_id(request.session_id, "session_id")
+            reply.existed = self.sessions.touch(request.session_id)
+        return reply
 
     def EndSession(self, request, context) -> common_pb2.EndSessionResponse:
+        check_id(request.session_id, "session_id")
         return common_pb2.EndSessionResponse(existed=self.sessions.remove(request.session_id))
 
 

@@ -21,7 +21,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "dtype", "device", "quantization", "vocab_size", "model_vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "active_sessions", "max_propose_tokens", "forward_ms", "prefill_ms_per_token", "forwards", "forward_rows", "pending_calls", "kv_tokens_used", "kv_tokens_budget", "session_ttl_s", "kernel_choices", "prefix_cache_blocks", "prefix_cache_tokens", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "synthetic_acceptance")
+    __slots__ = ("model", "dtype", "device", "quantization", "vocab_size", "model_vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "active_sessions", "max_propose_tokens", "forward_ms", "prefill_ms_per_token", "forwards", "forward_rows", "pending_calls", "kv_tokens_used", "kv_tokens_budget", "session_ttl_s", "kernel_choices", "prefix_cache_blocks", "prefix_cache_tokens", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "synthetic_acceptance", "sessions_ended_by_lease", "sessions_reaped_idle")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,8 @@ class ModelInfo(_message.Message):
     PREFIX_CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SYNTHETIC_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_ENDED_BY_LEASE_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_REAPED_IDLE_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -72,7 +74,9 @@ class ModelInfo(_message.Message):
     prefix_cache_query_tokens: int
     prefix_cache_hit_tokens: int
     synthetic_acceptance: float
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., vocab_size: _Optional[int] = ..., model_vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_propose_tokens: _Optional[int] = ..., forward_ms: _Optional[_Iterable[float]] = ..., prefill_ms_per_token: _Optional[float] = ..., forwards: _Optional[int] = ..., forward_rows: _Optional[int] = ..., pending_calls: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_budget: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., kernel_choices: _Optional[_Iterable[str]] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., synthetic_acceptance: _Optional[float] = ...) -> None: ...
+    sessions_ended_by_lease: int
+    sessions_reaped_idle: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., vocab_size: _Optional[int] = ..., model_vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_propose_tokens: _Optional[int] = ..., forward_ms: _Optional[_Iterable[float]] = ..., prefill_ms_per_token: _Optional[float] = ..., forwards: _Optional[int] = ..., forward_rows: _Optional[int] = ..., pending_calls: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_budget: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., kernel_choices: _Optional[_Iterable[str]] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., synthetic_acceptance: _Optional[float] = ..., sessions_ended_by_lease: _Optional[int] = ..., sessions_reaped_idle: _Optional[int] = ...) -> None: ...
 
 class BatchStats(_message.Message):
     __slots__ = ("forwards", "rows", "max_rows", "queue_ms", "pending_calls", "calls")
@@ -120,14 +124,18 @@ class GetTokenizerRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "cache_salt")
+    __slots__ = ("session_id", "prompt_token_ids", "cache_salt", "owner", "lease_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: bytes
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    owner: str
+    lease_s: float
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., owner: _Optional[str] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
     __slots__ = ("session_id", "cached_tokens", "tokenizer_fingerprint", "prefix_cached_tokens")
@@ -156,16 +164,22 @@ class MatchPrefixResponse(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "owner", "lease_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    owner: str
+    lease_s: float
+    def __init__(self, session_id: _Optional[str] = ..., owner: _Optional[str] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
-    __slots__ = ("existed",)
+    __slots__ = ("existed", "owned_sessions")
     EXISTED_FIELD_NUMBER: _ClassVar[int]
+    OWNED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     existed: bool
-    def __init__(self, existed: _Optional[bool] = ...) -> None: ...
+    owned_sessions: int
+    def __init__(self, existed: _Optional[bool] = ..., owned_sessions: _Optional[int] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id",)
