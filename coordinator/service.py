@@ -91,7 +91,7 @@ class CoordinatorConfig:
 DEFAULT_GAMMA_MAX = 8  # without a measured cost curve
 SEEDED_GAMMA = 4       # the most drafts a seeded sampled request's fixed γ takes
 DEFAULT_KEEP_ALIVE_S = 30.0  # a drafter that does not say its session TTL: renew this often
-MAX_HISTORY_CALLERS = 256  # callers whose recent outputs are kept (the least recently seen dropped)
+MAX_HISTORY_CALLERS = 256  # (caller, salt) histories kept (the least recently seen dropped)
 
 
 def curve_gamma_max(forward_ms) -> int:
@@ -138,9 +138,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids),
                                         self.metrics, on_proposer_failure=self._proposer_failed, cost=cost,
                                         synthetic_acceptance=target.synthetic_acceptance)
-        # Recent outputs, one history per authenticated caller (LRU-bounded): a lookup
-        # drafts from them, which shows in timing and stats, so a caller searches its own.
-        self._recent: OrderedDict[str, RecentOutputs] = OrderedDict()
+        # Recent outputs, one history per authenticated caller and cache_salt (LRU-bounded):
+        # a lookup drafts from them, which shows in timing and stats, so a caller searches its own.
+        self._recent: OrderedDict[tuple[str, bytes], RecentOutputs] = OrderedDict()
         self._recent_lock = threading.Lock()
         self._in_flight = 0  # Generate calls admitted and not yet finished
         self._idle = threading.Condition()
@@ -157,24 +157,28 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 gauge.set(1)
                 watch.on_change(lambda up, gauge=gauge: gauge.set(int(up)))
 
-    def recent_outputs(self, caller: str) -> RecentOutputs | None:
-        """The recent outputs `caller`'s lookups search (None: none are kept)."""
+    def recent_outputs(self, history: tuple[str, bytes]) -> RecentOutputs | None:
+        """The recent outputs the lookups of a caller's requests under one cache_salt
+        search, (caller, salt) (None: none are kept). Kept apart by salt as the prefix
+        caches are: what a lookup drafts shows in timing, and a salt is the caller's
+        way to say which requests may see each other."""
         if self.config.lookup_history_tokens <= 0:
             return None
         with self._recent_lock:
-            recent = self._recent.pop(caller, None) or RecentOutputs(self.config.lookup_history_tokens)
-            self._recent[caller] = recent  # the most recently used last
+            recent = self._recent.pop(history, None) or RecentOutputs(self.config.lookup_history_tokens)
+            self._recent[history] = recent  # the most recently used last
             while len(self._recent) > MAX_HISTORY_CALLERS:
                 self._recent.popitem(last=False)
             return recent
 
-    def _proposer(self, domain: GenerationRequest, timeout, caller: str = "") -> tuple[Proposer | None, str]:
+    def _proposer(self, domain: GenerationRequest, timeout,
+                  history: tuple[str, bytes] = ("", b"")) -> tuple[Proposer | None, str]:
         """The request's proposer (as it asks, or the server's), or None and why not."""
         kind = KINDS[domain.proposer or self.config.proposer]
         # A seeded sample must not depend on what other requests wrote: its drafts
         # (and so its draws) come from its own tokens only.
         seeded = domain.sampling.seed is not None and not domain.sampling.greedy
-        recent = None if seeded else self.recent_outputs(caller)
+        recent = None if seeded else self.recent_outputs(history)
         if not kind.uses_drafter:
             return kind.build(None, recent), ""
         if self.backends.drafter is None:
@@ -246,9 +250,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 return remaining
             request_id = uuid.uuid4().hex
             caller = caller_identity(context)
+            history = (caller, domain.cache_salt)  # lookups search what this caller wrote under this salt
             domain = replace(domain, cache_salt=prefix_salt(domain.cache_salt, caller,
                                                             self.config.share_prefix_cache))
-            proposer, fallback = self._proposer(domain, timeout, caller) if domain.gamma_max > 0 else (None, "")
+            proposer, fallback = self._proposer(domain, timeout, history) if domain.gamma_max > 0 else (None, "")
             last = None
             for last in self.engine.generate(domain, proposer, timeout, lambda: not context.is_active(), request_id,
                                              fallback):

@@ -181,6 +181,24 @@ def test_a_bearer_token_over_plaintext_off_loopback_is_warned_about(stack, caplo
     assert "bearer token over plaintext" not in caplog.text
 
 
+def test_a_public_bind_without_authentication_is_warned_about(stack, caplog):
+    with caplog.at_level(logging.WARNING):
+        running, watched = serve_coordinator(CoordinatorConfig(**backends(stack), connect_timeout_s=30),
+                                             host="0.0.0.0")
+        watched.close()
+        running.stop(0)
+    assert "serving 0.0.0.0 without authentication" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # a token (the plaintext warning aside), or loopback: no such warning
+        running, watched = serve_coordinator(CoordinatorConfig(**backends(stack), auth_token="secret",
+                                                               connect_timeout_s=30), host="0.0.0.0")
+        watched.close()
+        running.stop(0)
+        with served_coordinator(**backends(stack)):
+            pass
+    assert "without authentication" not in caplog.text
+
+
 def test_a_model_service_on_a_unix_socket_in_a_private_directory(tiny_draft, tmp_path, caplog):
     path = tmp_path / "private" / "drafter.sock"
     with caplog.at_level(logging.WARNING):
@@ -227,3 +245,19 @@ def test_recent_outputs_are_searched_only_by_the_caller_that_wrote_them(stack, p
     assert ngram_accepted(others) == ngram_accepted(first)    # bob's lookups saw bob's tokens only
     assert list(others.stats.draft_sources) == list(first.stats.draft_sources)
     assert ngram_accepted(again) > ngram_accepted(first)      # alice's found her own earlier output
+
+
+def test_recent_outputs_are_searched_only_under_the_salt_they_were_written_under(stack):
+    """The same caller under another cache_salt finds nothing of what it wrote
+    under the first (as the prefix caches), and finds it again under the first."""
+    def request(salt: str) -> pb.GenerateRequest:
+        return pb.GenerateRequest(prompt="The quick brown fox jumps", max_new_tokens=48, ignore_eos=True,
+                                  cache_salt=salt, speculation=pb.Speculation(gamma=4))
+    with served_coordinator(drafter=None, verifier=stack.address(stack.verifier), proposer="ngram",
+                            lookup_history_tokens=4096) as c:
+        first = c.stub.Generate(request("s1"), timeout=30)
+        other_salt = c.stub.Generate(request("s2"), timeout=30)
+        same_salt = c.stub.Generate(request("s1"), timeout=30)
+    assert list(first.token_ids) == list(other_salt.token_ids) == list(same_salt.token_ids)
+    assert ngram_accepted(other_salt) == ngram_accepted(first)
+    assert ngram_accepted(same_salt) > ngram_accepted(first)

@@ -151,7 +151,12 @@ def is_loopback(host: str) -> bool:
 
 
 def warn_if_token_in_clear(host: str, tls: ServerTls | None, token: str | None, uds: str | None = None) -> None:
-    """A bearer token over plaintext off loopback can be read off the network."""
+    """A bearer token over plaintext off loopback can be read off the network; a
+    server off loopback with no authentication at all serves anyone who reaches it."""
+    if token is None and (tls is None or tls.client_ca is None) and not uds and not is_loopback(host):
+        log.warning("serving %s without authentication: anyone who can reach this address can generate with the "
+                    "model. Require a bearer token (--auth-token-env / --auth-token-file, with TLS) or client "
+                    "certificates (--tls-client-ca), or bind 127.0.0.1.", host)
     if token is not None and tls is None and not uds and not is_loopback(host):
         log.warning("serving a bearer token over plaintext on %s: anyone on the network path can read it and "
                     "replay it. Serve TLS (--tls-cert, --tls-key) or bind 127.0.0.1 behind a TLS-terminating proxy.",
