@@ -40,7 +40,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from specdec.runtime import kernels
+from specdec.runtime import kernels, native_backends
 
 SHAPES = ["1536x8960", "8960x1536", "151936x896", "151936x1536"]   # out x in
 ROWS = [1, 2, 4, 5, 8, 16, 64, 256]
@@ -209,12 +209,12 @@ def build_ggml(w):
     n, k = w.shape
     if k % 256:
         blocks = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.Q8_0).reshape(n, -1))
-        return kernels._ggml_prepare(blocks, int(GGMLQuantizationType.Q8_0), k)
-    return kernels._ggml_prepare(q4k_bytes(w), int(GGMLQuantizationType.Q4_K), k)
+        return native_backends._ggml_prepare(blocks, int(GGMLQuantizationType.Q8_0), k)
+    return native_backends._ggml_prepare(q4k_bytes(w), int(GGMLQuantizationType.Q4_K), k)
 
 
 def call_ggml(state, x):
-    return kernels._ggml_run(state, x)
+    return native_backends._ggml_run(state, x)
 
 
 # CPU features a backend's kernels need (/proc/cpuinfo names), as the services' registry

@@ -33,6 +33,8 @@ import weakref
 
 import torch
 
+from specdec.runtime import probe_cache
+
 CHUNK_ROWS = 4
 REPACK_ROWS = 3       # ggml's repacked mul_mat: a GEMV a row below 4 rows, a GEMM from 4
 SELFTEST_TIMEOUT_S = 120
@@ -277,7 +279,10 @@ assert y.shape == (2, 32) and not y.any(), y
 def selftest() -> None:
     """One small matmul in a child process: a ggml built for another CPU (llama-cpp-python
     compiles it for the machine that installed it; a VM may hide what it found there, such
-    as AMX) ends the process with SIGILL, which must not be a model service's."""
+    as AMX) ends the process with SIGILL, which must not be a model service's. Once it
+    passed on this machine and build, not again (`probe_cache`)."""
+    if probe_cache.passed("ggml-selftest"):
+        return
     try:
         done = subprocess.run([sys.executable, "-c", _SELFTEST], capture_output=True, text=True,
                               timeout=SELFTEST_TIMEOUT_S)
@@ -286,6 +291,7 @@ def selftest() -> None:
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1][:160]
         raise RuntimeError(f"a probe matmul in a child process ended with code {done.returncode} ({last})")
+    probe_cache.remember("ggml-selftest")
 
 
 _REPACK_SELFTEST = """
@@ -329,6 +335,10 @@ def repack_usable(ggml_type: int) -> bool:
     name = {Q4_0: "Q4_0", Q4_K: "Q4_K"}.get(ggml_type, str(ggml_type))
     if ggml_type not in REPACK_TYPES:
         return False
+    if probe_cache.passed(f"ggml-repack-{ggml_type}"):
+        _log.info("ggml's repacked %s kernels passed their probe here before: %s weights are laid out for them",
+                  name, name)
+        return True
     try:
         done = subprocess.run([sys.executable, "-c", _REPACK_SELFTEST, str(ggml_type)], capture_output=True,
                               text=True, timeout=SELFTEST_TIMEOUT_S)
@@ -337,6 +347,7 @@ def repack_usable(ggml_type: int) -> bool:
         reason = f"a probe did not finish in {SELFTEST_TIMEOUT_S} s"
     if reason is None:
         _log.info("ggml's repacked %s kernels pass their probe: %s weights are laid out for them", name, name)
+        probe_cache.remember(f"ggml-repack-{ggml_type}")
         return True
     _log.info("ggml's repacked %s kernels are not used here: %s", name, reason)
     return False

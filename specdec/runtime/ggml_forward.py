@@ -407,8 +407,15 @@ def choose(lean) -> GraphForward | None:
     """The graph for `lean`'s decode and verify calls where it runs here, passes `check` and
     times faster than the torch forward on a call of kernels' choice rows (`choose_at`);
     else None, said in the log. One choice for the process: they round differently."""
-    if kernels.chosen(KEY, 0) == NAMES[0] or not kernels.usable("gguf-blocks", per_row=True):
-        return None     # pinned to torch, or no ggml here (the kernel registry said why, once)
+    if kernels.chosen(KEY, 0) == NAMES[0]:
+        return None     # pinned to torch
+    try:
+        GraphForward(lean)  # what the graph covers, before ggml is loaded and probed (a second of a start)
+    except Unsupported as why:
+        log.info("decode and verify calls run through torch: the ggml graph does not cover %s", why)
+        return None
+    if not kernels.usable("gguf-blocks", per_row=True):
+        return None     # no ggml here (the kernel registry said why, once)
     graphs = _candidates(lean)
     pinned = kernels.chosen(KEY, 0)     # a pin for every model (tests, scripts)
     if pinned in graphs:

@@ -157,16 +157,21 @@ def checked(backend: Backend, weight: tuple, reference: Callable[[torch.Tensor],
     return None
 
 
-def prepared(weight_format: str, weight: tuple, reference: Callable[[torch.Tensor], torch.Tensor],
-             per_row: bool = False, activation_bits: int = 0,
-             in_features: int | None = None) -> list[tuple[Backend, object]]:
+def prepared(weight_format: str, weight: tuple | Callable[[], tuple], reference: Callable[[torch.Tensor], torch.Tensor],
+             per_row: bool = False, activation_bits: int = 0, in_features: int | None = None,
+             key: tuple = ()) -> list[tuple[Backend, object]]:
     """[(backend, its weight)] for every usable backend of this format (per-row ones
     only, with `per_row`; keeping `activation_bits`) that passes its check on this
-    layer against `reference`; `weight` as WEIGHT_FORMATS[weight_format] lists it
-    (its first tensor [N, K] unless `in_features` says K)."""
+    layer against `reference`, and that the layer's restored choices name if it has
+    any (`wanted`, for the layer `key`); `weight` as WEIGHT_FORMATS[weight_format]
+    lists it, or a function making it (called only if a backend is wanted), its first
+    tensor [N, K] unless `in_features` says K."""
     assert weight_format in WEIGHT_FORMATS, weight_format
     out, states = [], {}
-    for backend in usable(weight_format, per_row, activation_bits):
+    backends = [b for b in usable(weight_format, per_row, activation_bits) if wanted(key, b.name)]
+    if backends and callable(weight):
+        weight = weight()
+    for backend in backends:
         state = checked(backend, weight, reference, in_features or weight[0].shape[1], states.get(backend.shares))
         if state is not None:
             out.append((backend, state))
@@ -296,6 +301,34 @@ def pick_per_layer(key: tuple, x: torch.Tensor, own_name: str, own: Callable[[to
     return pick(key, rows, calls(x), per_layer=True)
 
 
+def saved_choices() -> dict[tuple, str]:
+    """Every choice made so far, to be restored at a later start (`restore_choices`)."""
+    return dict(_CHOICE)
+
+
+def restore_choices(choices: dict[tuple, str]) -> None:
+    """Start from these choices (a start profile's), or from none: `pick` times only
+    what they do not hold, and a kernel they name that this process lacks is timed
+    against the others again. A layer whose choices they hold prepares only the
+    backends they name (`wanted`): the 1.5B target's gate/up int8 copies, which no
+    choice names on the AVX-512 EPYC, took 8.7 s of each start."""
+    _CHOICE.clear()
+    _CHOICE.update(choices)
+    _NAMED.clear()
+    for choice_key, name in choices.items():
+        _NAMED.setdefault(tuple(choice_key[:3]), set()).add(name)
+
+
+_NAMED: dict[tuple, set[str]] = {}   # after restore_choices: a layer key -> the kernels its choices name
+
+
+def wanted(key: tuple, backend: str) -> bool:
+    """Whether a layer of `key` ((kind, out, in)) should prepare `backend`: unless
+    restored choices cover the layer and none names the backend."""
+    named = _NAMED.get(tuple(key[:3]))
+    return named is None or backend in named
+
+
 def choices() -> list[str]:
     """What `pick` chose so far, one line per layer shape and row bucket."""
     return [f"{' '.join(str(k) for k in key[:-1])} {f'rows<={key[-1]}' if key[-1] else 'every call'}: {name}"
@@ -395,46 +428,6 @@ def _fbgemm_row8_run(state, x: torch.Tensor) -> torch.Tensor:
 register(Backend("fbgemm-int8-row8", "int8-channel", "torch", _fbgemm_row_prepare, _fbgemm_row8_run, per_row=True,
                  cpu_flags=("avx2",), shares="fbgemm-int8-row"))
 
-def _zentorch_prepare(codes: torch.Tensor, scales: torch.Tensor):
-    packed = torch.ops.zentorch.zentorch_weight_prepack_for_dynamic_qlinear(codes.contiguous())
-    return packed, scales.float().contiguous()
 
-
-def _zentorch_run(state, x: torch.Tensor) -> torch.Tensor:
-    packed, scales = state
-    return torch.ops.zentorch.zentorch_dynamic_qlinear(x.bfloat16(), packed, scales, None,
-                                                       is_weight_prepacked=True).float()
-
-
-# AMD's plugin (`pip install zentorch`, built per torch version): int8 x int8 with
-# activations quantized per call from the same codes and scales; one scale per row
-# (fbgemm's is one per call), so a row's output is the same in any call. Its GEMM
-# (AOCL's s8s8s32) needs AVX-512 VNNI: on an AVX2 CPU it ends the process.
-register(Backend("zentorch-int8", "int8-channel", "zentorch", _zentorch_prepare, _zentorch_run, per_row=True,
-                 cpu_flags=("avx512_vnni",)))
-
-
-def _ggml_prepare(blocks: torch.Tensor, ggml_type: int, in_features: int):
-    from specdec.runtime import ggml
-    linear = ggml.GgmlLinear(blocks, ggml_type, in_features)
-    probe = torch.randn(ggml.CHUNK_ROWS, in_features, generator=torch.Generator().manual_seed(1))
-    if not linear.rows_alone(probe):
-        raise RuntimeError("its rows are not computed alone: a row's output changed with the rows beside it")
-    return linear
-
-
-def _ggml_run(linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, x.dtype)
-
-
-def _ggml_selftest() -> None:
-    from specdec.runtime import ggml
-    ggml.selftest()
-
-
-# llama.cpp's own kernels (ggml, shipped by llama-cpp-python: `pip install ".[llama-cpp]"`) over the
-# GGUF's blocks as they are, activations quantized per block of a row (specdec.runtime.ggml). On an
-# AVX2 EPYC they ran the 1.5B's Q4_K and Q6_K layers at one row in about a third of torch's int4
-# kernel's time and half of fbgemm's; their cost grows with the rows as torch's int4 kernel's does.
-register(Backend("ggml", "gguf-blocks", "llama_cpp", _ggml_prepare, _ggml_run, per_row=True,
-                 selftest=_ggml_selftest))
+# AMD's zentorch and llama.cpp's ggml: their own module, registered after torch's (this order).
+from specdec.runtime import native_backends  # noqa: E402,F401

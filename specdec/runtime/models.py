@@ -7,6 +7,7 @@ message saying what is accepted.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import pathlib
 from dataclasses import dataclass
@@ -47,6 +48,9 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     fingerprint: str
     lean: lean.LeanForward | None = None  # None: transformers' forward
+    # What its weights and layers are made from (name, settings, converted form): the key
+    # under which what a service times on it is kept (specdec.service.start_profile).
+    identity: str = ""
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
@@ -186,7 +190,9 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
         name=name, model=model, tokenizer=tokenizer, dtype=dtype, device=torch_device, quantization=quantize,
         vocab_size=vocab_size, model_vocab_size=model_vocab,
         max_context=int(getattr(model.config, "max_position_embeddings", 2048)),
-        eos_token_ids=_eos_ids(model, tokenizer), fingerprint=fingerprint, lean=lean_forward)
+        eos_token_ids=_eos_ids(model, tokenizer), fingerprint=fingerprint, lean=lean_forward,
+        identity=json.dumps({"name": name, "entry": entry.name if entry else "", "forward": forward,
+                             "random_weights": random_weights, **settings}, sort_keys=True, default=str))
     log.info("loaded %s (%s, %s, quantize=%s, head_vocab=%s, vocab %d/%d, %s forward)", name, dtype, device,
              quantize, head_vocab or "all", vocab_size, model_vocab, "lean" if lean_forward else "transformers'")
     return loaded

@@ -37,6 +37,7 @@ def run_model_service(name: str, args: argparse.Namespace,
                         prefill_chunk=args.prefill_chunk, max_batch_rows=args.max_batch_rows, auth_token=token,
                         prefill_weights=args.prefill_weights, prefix_cache=args.prefix_cache,
                         kernel_rows=args.kernel_rows, batch_invariant=args.batch_invariant,
+                        start_profile_setting=args.start_profile,
                         **own_options(args, name))
         start_health(running, args)
     except (SpecdecError, ValueError, OSError) as exc:

@@ -22,6 +22,7 @@ from specdec.runtime.models import LoadedModel
 from specdec.rpc.security import ServerTls, refuse_if_exposed
 from specdec.rpc.serving import RunningServer, start_server
 from specdec.rpc.sessions import SessionStore, check_id
+from specdec.service import start_profile
 from specdec.weights.tokenizer_fingerprint import tokenizer_files
 from specdec.v1 import common_pb2
 
@@ -292,23 +293,23 @@ def device_clock(device) -> Callable[[], float]:
     return clock
 
 
-def measure_cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> CostCurve:
+def measure_cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3, prefills: int = 2) -> CostCurve:
     """The least ms of `repeats` forwards over 1..rows new rows after a CURVE_PREFIX-token
     prefix: what verifying γ = rows - 1 drafts costs, or a draft step (1 row).
     Rows are not free in every precision (int4 takes 4 a kernel pass), so the
     coordinator plans γ on this curve rather than on a line. And what the prefix's
     prefill cost per token: the coordinator weighs a drafter's prefill of a long
-    prompt against what drafting can save."""
+    prompt against what drafting can save (the least of `prefills`; 0: the prefix prefilled once, untimed)."""
     if rows <= 0:
         return CostCurve([], 0.0)
     ids = [(7 * i + 3) % loaded.vocab_size for i in range(CURVE_PREFIX + rows)]
-    prefills = []
+    per_token = []
     clock = device_clock(loaded.device)
-    for _ in range(2):
+    for _ in range(max(prefills, 1)):
         seq = SequenceCache(loaded, ids[:CURVE_PREFIX])
         started = clock()
         seq.prefill()  # all but the last prefix token
-        prefills.append((clock() - started) * 1e3 / (CURVE_PREFIX - 1))
+        per_token.append((clock() - started) * 1e3 / (CURVE_PREFIX - 1))
     seq.forward([], keep_last=1)
     curve = []
     for n in range(1, rows + 1):
@@ -319,7 +320,16 @@ def measure_cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3) -> Cost
             times.append((clock() - started) * 1e3)
             seq.truncate(CURVE_PREFIX)  # the rollback a rejected draft gets
         curve.append(round(min(times), 3))  # the least disturbed: another process may share the cores
-    return CostCurve(curve, round(min(prefills), 4))
+    return CostCurve(curve, round(min(per_token), 4) if prefills else 0.0)
+
+
+def forget_prepared(loaded: LoadedModel) -> None:
+    """Drop the accelerated kernels' weights the layers made for restored choices
+    (`kernels.wanted`): the next call prepares every backend, to be timed again."""
+    roots = loaded.lean.linears() if loaded.lean else [loaded.model]
+    for root in roots:
+        for module in root.modules():
+            module.__dict__.pop("_accel", None)
 
 
 def keep_dense_weights(loaded: LoadedModel, service_name: str) -> int:
@@ -343,11 +353,13 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
                 cost_curve_rows: int = 0, kv_cache_mb: float = 0.0, prefill_chunk: int = PREFILL_CHUNK,
                 max_batch_rows: int = MAX_BATCH_ROWS, cost_curve: CostCurve | None = None,
                 auth_token: str | None = None, prefill_weights: str = "dense",
-                prefix_cache: str = "on", kernel_rows: int = 1, batch_invariant: bool = False) -> RunningServer:
+                prefix_cache: str = "on", kernel_rows: int = 1, batch_invariant: bool = False,
+                start_profile_setting: str = "on") -> RunningServer:
     """Start a model service; it reports SERVING only once the model is warm.
     `cost_curve`: publish this curve instead of timing one at warm-up (None: the
     one the environment pins, else timed over `cost_curve_rows` rows, and with it the
-    prefill paths of every chunk's row bucket)."""
+    prefill paths of every chunk's row bucket; with `start_profile_setting` "on", what an earlier
+    start timed under the same key where it still holds, start_profile's)."""
     refuse_if_exposed(service_name, host, tls, uds, auth_token)
     kernels.choose_at(kernel_rows)
     if loaded.lean is not None:
@@ -365,15 +377,42 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
     # A worker per session and a few spare, so health checks are answered under full load.
     running = start_server(lambda server: add_to_server(servicer, server), [service_name], host=host, port=port,
                            max_workers=max_sessions + 8, tls=tls, uds=uds, auth_token=auth_token)
-    running.on_stop = store.close
-    torch_thread.run(warm_up, loaded)
     pinned = cost_curve or pinned_curve(service_name)
-    if not pinned and cost_curve_rows > 0:  # timed with the curve, or at a bucket's first call
+    timed = not pinned and cost_curve_rows > 0  # the curve timed, with the prefill and gathered buckets
+    key = start_profile.profile_key(loaded.identity, str(loaded.device), dict(
+        service=service_name, kernel_rows=kernel_rows, batch_invariant=batch_invariant,
+        cost_curve_rows=cost_curve_rows, max_sessions=min(max_sessions, GATHERED_ROWS),
+        prefill_chunk=prefill_chunk, prefill_weights=prefill_weights))
+    keep = timed and start_profile_setting == "on"
+    profile = start_profile.load(key) if keep else None
+    if profile is not None:
+        kernels.restore_choices(profile.choices)  # before warm-up's forward, which would time them
+    torch_thread.run(warm_up, loaded)
+    if profile is not None:
+        decode_ms = torch_thread.run(measure_cost_curve, loaded, 1, prefills=0).forward_ms[0]
+        if start_profile.holds(profile, decode_ms):
+            log.info("%s: kernel choices and cost curves from %s (a decode step now %.1f ms, then %.1f ms)",
+                     service_name, start_profile.path_for(key), decode_ms, profile.curve.forward_ms[0])
+        else:
+            log.info("%s: a decode step now takes %.1f ms, %.1f ms when %s was saved: timing again",
+                     service_name, decode_ms, profile.curve.forward_ms[0], start_profile.path_for(key))
+            kernels.restore_choices({})
+            torch_thread.run(forget_prepared, loaded)
+            profile = None
+    gathered: dict[int, float] = {}
+    if profile is not None:
+        servicer.curve, gathered = profile.curve, profile.gathered
+    elif timed:
         torch_thread.run(time_prefill_buckets, loaded, prefill_chunk)
         gathered = torch_thread.run(time_gathered_buckets, loaded, max_sessions)
+        servicer.curve = torch_thread.run(measure_cost_curve, loaded, cost_curve_rows)
     else:
-        gathered = {}
-    servicer.curve = pinned or torch_thread.run(measure_cost_curve, loaded, cost_curve_rows)
+        servicer.curve = pinned or torch_thread.run(measure_cost_curve, loaded, cost_curve_rows)
+    if keep:
+        def save_profile() -> None:  # at start, and at a clean stop with the choices made while serving
+            start_profile.save(start_profile.StartProfile(servicer.curve, gathered, kernels.saved_choices()), key)
+        save_profile()
+        running.on_stop = lambda: (store.close(), save_profile())
     log.info("%s: forward ms by rows (1..%d): %s; prefill %.2f ms a token%s", service_name,
              len(servicer.curve.forward_ms), ", ".join(f"{ms:.1f}" for ms in servicer.curve.forward_ms),
              servicer.curve.prefill_ms_per_token, " (pinned, not measured)" if pinned else "")

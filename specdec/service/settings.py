@@ -79,6 +79,11 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
                                  "where it has several (llama.cpp's, fbgemm's, torch's): 1 favours one client's "
                                  "tokens per second; a service batching many sessions is served better by its "
                                  "usual rows a forward (8 clients: 8 or more)"), up=True),
+    S("--start-profile", dict(default="on", choices=("on", "off"),
+                              help="keep what this service times at start (kernel choices, cost curves) in "
+                                   "$SPECDEC_HOME/starts/, per machine, libraries, model and settings, and reuse it at "
+                                   "the next start once a decode step timed then agrees (docs/reliability-and-"
+                                   "security.md); off: time everything at every start"), up=True),
     S("--batch-invariant", dict(action="store_true",
                                 help="rows of several sessions in one forward get the bits each session alone would "
                                      "(the kernels a decode step needs, row by row): a session's output never depends "

@@ -234,14 +234,15 @@ class Int4Linear(nn.Module):
         if accel is None:
             reference = lambda x: self._int4(x.to(self.dtype))  # noqa: E731
             accel = []
+            key = ("int4", self.out_features, self.in_features)
             if self.gguf_blocks is not None:
                 accel += kernels.prepared("gguf-blocks", (self.gguf_blocks, self.ggml_type,
                                                           self.in_features), reference, per_row=True,
-                                          in_features=self.in_features)
-            if self.int8_activations and kernels.usable("int8-channel", per_row=True, activation_bits=GATE_UP_BITS):
-                codes, scales = per_row_int8(self.dense_weight(torch.float32))
-                accel += kernels.prepared("int8-channel", (codes, scales), reference, per_row=True,
-                                          activation_bits=GATE_UP_BITS)
+                                          in_features=self.in_features, key=key)
+            if self.int8_activations:
+                accel += kernels.prepared("int8-channel", lambda: per_row_int8(self.dense_weight(torch.float32)),
+                                          reference, per_row=True, activation_bits=GATE_UP_BITS,
+                                          in_features=self.in_features, key=key)
             self._accel = accel
         return accel
 

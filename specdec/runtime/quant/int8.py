@@ -153,7 +153,8 @@ class Int8Linear(nn.Module):
                 codes, scales, bias = self._codes()
                 without_bias = (lambda x: torch.ops.quantized.linear_dynamic(x, self._packed, kernels.reduce_range())
                                 - (bias if bias is not None else 0))
-                accel = kernels.prepared("int8-channel", (codes, scales), without_bias)
+                accel = kernels.prepared("int8-channel", (codes, scales), without_bias,
+                                         key=("int8-dynamic", self.out_features, self.in_features))
                 self._bias = bias
             self._accel = accel
         return accel
@@ -237,12 +238,13 @@ class Int8WeightOnlyLinear(nn.Module):
         accel = self.__dict__.get("_accel")
         if accel is None:
             accel = []
+            key = ("int8-wo", self.out_features, self.in_features)
             if self.gguf_blocks is not None:
                 accel += kernels.prepared("gguf-blocks", (self.gguf_blocks, self.ggml_type, self.in_features),
-                                          self._weight_only, per_row=True, in_features=self.in_features)
+                                          self._weight_only, per_row=True, in_features=self.in_features, key=key)
             if self.int8_activations:
                 accel += kernels.prepared("int8-channel", (self.qweight, self.scales.float()), self._weight_only,
-                                          per_row=True, activation_bits=self.activation_bits)
+                                          per_row=True, activation_bits=self.activation_bits, key=key)
             self._accel = accel
         return accel
 

@@ -1,0 +1,109 @@
+"""What a model service times at start, kept and reused at its next start (specdec.service.start_profile)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import drafter.service
+from specdec.runtime import kernels
+from specdec.runtime.quant import int4
+from specdec.runtime.cost_curve import COST_CURVE_ENV, CostCurve
+from specdec.rpc.serving import channel
+from specdec.service import model_service, start_profile
+from specdec.v1 import common_pb2, drafter_pb2_grpc
+from tests.test_lean import _tiny_int4_forward
+
+KEY = {"model": "m", "service": "s"}
+
+
+def test_a_profile_is_read_back_under_its_key_only(tmp_path, caplog):
+    profile = start_profile.StartProfile(CostCurve([2.0, 3.5], 0.25), {2: 3.0, 8: 9.5},
+                                         {("int4", 8, 4, "gathered", 2): "ggml", ("forward", "decode", "2x8", 0): "x"})
+    path = start_profile.save(profile, KEY, tmp_path)
+    back = start_profile.load(KEY, tmp_path)
+    assert back == profile and path.parent == tmp_path
+    assert start_profile.load({**KEY, "model": "other"}, tmp_path) is None
+    path.write_text(json.dumps({**json.loads(path.read_text()), "key": {"model": "other"}}))
+    assert start_profile.load(KEY, tmp_path) is None and "saved under another key" in caplog.text
+    path.write_text("{ not json")
+    assert start_profile.load(KEY, tmp_path) is None
+
+
+def test_a_profile_holds_while_a_decode_step_takes_what_it_did():
+    profile = start_profile.StartProfile(CostCurve([30.0], 1.0))
+    assert start_profile.holds(profile, 36.0) and start_profile.holds(profile, 24.0)
+    assert not start_profile.holds(profile, 45.0) and not start_profile.holds(profile, 15.0)
+    tiny = start_profile.StartProfile(CostCurve([0.3], 0.01))
+    assert start_profile.holds(tiny, 0.9) and not start_profile.holds(tiny, 2.0)   # the floor: noise, not a change
+
+
+def test_restored_choices_prepare_only_the_backends_they_name(monkeypatch):
+    # A layer whose restored choices name torch's int4 kernel alone makes no other kernel's
+    # weight (nor the int8 codes those would need); with no choices restored, it offers all.
+    monkeypatch.setattr(kernels, "_CHOICE", {})
+    monkeypatch.setattr(kernels, "_NAMED", {})
+    layer = _tiny_int4_forward().layers[0].gate_up
+    layer.int8_activations = True
+    offered = [b.name for b, _ in layer._accelerated()]
+    key = ("int4", layer.out_features, layer.in_features)
+    kernels.restore_choices({(*key, 0): "torch-int4", (*key, "gathered", 2): "torch-int4"})
+    layer.__dict__.pop("_accel")
+    codes_made = []
+    real = int4.per_row_int8
+    monkeypatch.setattr(int4, "per_row_int8", lambda w: codes_made.append(w) or real(w))
+    assert layer._accelerated() == [] and codes_made == []
+    if offered:   # where a backend installs here: naming it brings it back, and it alone
+        kernels.restore_choices({(*key, 0): offered[-1]})
+        layer.__dict__.pop("_accel")
+        assert [b.name for b, _ in layer._accelerated()] == [offered[-1]]
+
+
+def _info(running) -> common_pb2.ModelInfo:
+    with channel(f"127.0.0.1:{running.port}") as ch:
+        return drafter_pb2_grpc.DrafterStub(ch).Info(common_pb2.InfoRequest(), timeout=10)
+
+
+def test_a_second_start_serves_on_what_the_first_timed_unless_the_machine_changed(tiny_draft, tmp_path,
+                                                                                  monkeypatch):
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    for variable in COST_CURVE_ENV.values():   # a pinned curve is not timed, so not kept
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(kernels, "_CHOICE", {})
+    monkeypatch.setattr(kernels, "_NAMED", {})
+    timed: list[str] = []
+    real_gathered = model_service.time_gathered_buckets
+
+    def gathered(*args):
+        timed.append("gathered")
+        return real_gathered(*args)
+    monkeypatch.setattr(model_service, "time_gathered_buckets", gathered)
+
+    def start() -> common_pb2.ModelInfo:
+        running = drafter.service.serve(tiny_draft, cost_curve_rows=3)
+        try:
+            return _info(running)
+        finally:
+            running.stop(0)
+    first = start()
+    [path] = (tmp_path / "starts").glob("*.json")
+    assert timed == ["gathered"] and len(first.forward_ms) == 3
+    second = start()
+    assert timed == ["gathered"]                      # not timed again
+    assert list(second.forward_ms) == list(first.forward_ms)
+    saved = json.loads(path.read_text())
+    saved["forward_ms"] = [50.0 * ms for ms in saved["forward_ms"]]   # as if saved on a slower machine
+    path.write_text(json.dumps(saved))
+    third = start()
+    assert timed == ["gathered", "gathered"]          # timed again, and kept
+    assert json.loads(path.read_text())["forward_ms"] == pytest.approx(list(third.forward_ms))
+    assert third.forward_ms[0] < 50.0 * first.forward_ms[0] / 2
+
+
+def test_no_profile_is_kept_when_the_setting_is_off(tiny_draft, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    for variable in COST_CURVE_ENV.values():
+        monkeypatch.delenv(variable, raising=False)
+    running = drafter.service.serve(tiny_draft, cost_curve_rows=2, start_profile_setting="off")
+    running.stop(0)
+    assert not list(tmp_path.glob("starts/*.json"))
