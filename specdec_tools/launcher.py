@@ -108,12 +108,14 @@ def stop(children: list[Child], grace_s: float = 30.0) -> None:
 
 @dataclass(frozen=True)
 class Backoff:
-    first_s: float = 0.5     # the first restart waits this long, each next one twice as long ...
+    # A child that ran healthy is restarted at once (every second away from serving is
+    # requests without it); one that exits again waits first_s, then twice as long ...
+    first_s: float = 0.5
     max_s: float = 30.0      # ... up to this
-    healthy_s: float = 60.0  # a child that ran this long starts over at first_s
+    healthy_s: float = 60.0  # a child that ran this long starts over
 
     def delay(self, restarts: int) -> float:
-        return min(self.max_s, self.first_s * 2 ** restarts)
+        return 0.0 if restarts == 0 else min(self.max_s, self.first_s * 2 ** (restarts - 1))
 
 
 class Supervisor:

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import drafter.service
+from specdec_tools import launcher
 from specdec.runtime.models import load_model
 from tests.conftest import free_port, model_draft_tokens
 
@@ -175,7 +176,8 @@ def test_up_serves_the_models_on_private_sockets_and_restarts_what_dies(tmp_path
     err = (tmp_path / "stderr").read_text()
     assert up.returncode == 0, err
     for module in ("drafter", "verifier"):
-        assert f"specdec up: {module} (pid" in err and "exited with code -9; restarting in" in err
+        # A child that ran healthy comes back at once (a crash loop backs off: Backoff).
+        assert f"specdec up: {module} (pid" in err and "exited with code -9; restarting in 0.0 s" in err
         assert f"specdec up: {module} is back on unix:{sockets[module]}" in err
     assert not os.path.exists(directory)
 
@@ -239,3 +241,9 @@ def test_the_demo_script_serves_a_sample_and_stops_the_stack_it_started():
             return False
     leftovers = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if in_its_group(pid)]
     assert leftovers == [], leftovers
+
+
+def test_a_child_that_keeps_exiting_is_restarted_later_each_time():
+    backoff = launcher.Backoff()
+    assert [backoff.delay(n) for n in range(4)] == [0.0, 0.5, 1.0, 2.0]   # the first at once
+    assert backoff.delay(20) == backoff.max_s

@@ -377,6 +377,7 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
     # A worker per session and a few spare, so health checks are answered under full load.
     running = start_server(lambda server: add_to_server(servicer, server), [service_name], host=host, port=port,
                            max_workers=max_sessions + 8, tls=tls, uds=uds, auth_token=auth_token)
+    running.on_stop = store.close
     pinned = cost_curve or pinned_curve(service_name)
     timed = not pinned and cost_curve_rows > 0  # the curve timed, with the prefill and gathered buckets
     key = start_profile.profile_key(loaded.identity, str(loaded.device), dict(
