@@ -42,6 +42,7 @@ class ModelClient:
         self.address = address
         self.channel = channel(address, tls, token)
         self.stub = stub_cls(telemetry.traced_channel(self.channel))
+        self._untraced = stub_cls(self.channel)  # for the lease's renewal each second: no trace of its own
         self._ending: set[grpc.Future] = set()  # EndSession calls in flight: close() lets them land
         self._ending_lock = threading.Lock()
         # The sessions' owner (this coordinator's instance id) and its lease (Backends sets
@@ -53,8 +54,8 @@ class ModelClient:
         a backend that does not answer is the watch's to find)."""
         if self.owner and self.lease_s > 0:
             try:
-                self.stub.KeepAlive.future(common_pb2.KeepAliveRequest(owner=self.owner, lease_s=self.lease_s),
-                                           timeout=timeout)
+                self._untraced.KeepAlive.future(common_pb2.KeepAliveRequest(owner=self.owner, lease_s=self.lease_s),
+                                                timeout=timeout)
             except ValueError:  # the channel is closed: this client is shutting down
                 pass
 

@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from specdec.runtime import kernels
 from specdec.runtime.quant import int8
+from specdec.runtime.quant.int8 import Int8Linear
 from specdec.runtime.models import load_model
 
 
@@ -161,3 +163,19 @@ def test_the_int8_draft_runs_its_qkv_fused_in_the_lean_forward(monkeypatch, fbge
     got = loaded.lean(ids, loaded.lean.new_cache(), keep_last=3)
     want = separate.lean(ids, separate.lean.new_cache(), keep_last=3)
     assert torch.allclose(got, want, rtol=0, atol=1e-4)
+
+
+def test_each_row_comes_out_as_it_would_alone_so_a_seeded_draft_ignores_its_batch(monkeypatch):
+    # fbgemm's dynamic GEMM scales its activations on the whole call's range: eight
+    # sessions' rows in one call would each depend on the other seven. The layer keeps
+    # one kernel for every call that gives each row its bits alone (--batch-invariant's
+    # promise; a gathered batch of several sessions may choose otherwise).
+    monkeypatch.setattr(kernels, "_CHOICE", {})
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.randn(48, 64), torch.randn(48))
+    x = torch.randn(8, 64) * torch.linspace(0.1, 10, 8)[:, None]   # rows of very different ranges
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(8)])
+    together = layer(x)
+    assert torch.equal(together, alone)
+    per_call = torch.ops.quantized.linear_dynamic(x, layer._packed, kernels.reduce_range())
+    assert not torch.equal(per_call, alone)     # what a single fbgemm call gives them

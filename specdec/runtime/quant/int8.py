@@ -5,7 +5,8 @@ but cost it agreement with the target (0.77 against 0.93 in bf16). So:
 
 * weights get one scale per output channel (per row), which keeps the small
   rows of a matrix from being rounded to a handful of levels;
-* activations are quantized per call (dynamic, fbgemm's int8 GEMM on the CPU),
+* activations are quantized per row (dynamic, fbgemm's int8 GEMM on the CPU, one
+  call a row, or a per-row kernel: a row's output never depends on its neighbours),
   except the MLP down projection's: its input, act(gate) * up, carries the
   massive outliers that a per-tensor activation scale cannot hold (measured on
   Qwen 0.5B: it alone took greedy agreement with the fp32 draft from 0.99 to
@@ -24,6 +25,7 @@ On CUDA the maintained path is torchao's int8 dynamic quantization.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -138,7 +140,7 @@ class Int8Linear(nn.Module):
 
     def _dense(self, flat: torch.Tensor) -> torch.Tensor:
         # A prefill's many rows: bf16 or fp32 activations against the de-quantized weight
-        # (finer than the per-call int8 activations of the kernel, and faster there).
+        # (finer than the per-row int8 activations of the kernel, and faster there).
         weight, bias = dense_rows.weight(self, self.dense_weight)
         out = dense_rows.linear(flat, weight)
         return out if bias is None else out + bias
@@ -163,18 +165,25 @@ class Int8Linear(nn.Module):
         # Saved in the model cache: the accelerated kernels' weights are this machine's, made again on load.
         return {k: v for k, v in self.__dict__.items() if k not in ("_accel", "_bias", "_kept_dense")}
 
-    def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
-        fbgemm = lambda: torch.ops.quantized.linear_dynamic(flat, self._packed, kernels.reduce_range())  # noqa: E731
-        accel = self._accelerated()
-        if not accel:
-            return fbgemm()
-        bias = self._bias
+    def _by_row(self, flat: torch.Tensor) -> torch.Tensor:
+        """fbgemm's dynamic GEMM, one call a row. It quantizes its activations on the range of
+        the whole call, so a row computed beside others (other sessions' rows in a batched
+        forward, a verification's) would depend on them; alone, each row keeps its own bits."""
+        rows = [torch.ops.quantized.linear_dynamic(flat[i:i + 1], self._packed, kernels.reduce_range())
+                for i in range(flat.shape[0])]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
-        def run(backend, state):
-            out = backend.run(state, flat)
-            return out if bias is None else out + bias
-        return kernels.pick(("int8-dynamic", self.out_features, self.in_features), flat.shape[0],
-                            {"fbgemm-int8": fbgemm, **{b.name: (lambda b=b, s=s: run(b, s)) for b, s in accel}})
+    def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
+        """Every row as it would come out alone, on one kernel for every call (`pick_per_layer`):
+        a seeded sample's drafts do not depend on which sessions share its forwards. Batches
+        of several sessions may take another (`kernels.gathered`), unless --batch-invariant."""
+        accel = self._accelerated()
+        bias = self.__dict__.get("_bias")      # the accelerated kernels compute without it
+        if bias is not None:
+            accel = [(dataclasses.replace(b, run=lambda state, x, run=b.run: run(state, x) + bias), s)
+                     for b, s in accel]
+        return kernels.pick_per_layer(("int8-dynamic", self.out_features, self.in_features), flat, "fbgemm-int8",
+                                      self._by_row, accel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features], in x's dtype
