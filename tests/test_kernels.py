@@ -41,6 +41,12 @@ def layer(generator) -> int8.Int8Linear:
     return int8.Int8Linear(torch.randn(64, 32, generator=generator), torch.randn(64, generator=generator))
 
 
+def by_row(linear: int8.Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The layer's own kernel: fbgemm's dynamic GEMM, each row alone."""
+    return torch.cat([torch.ops.quantized.linear_dynamic(x[i:i + 1], linear._packed, kernels.reduce_range())
+                      for i in range(x.shape[0])])
+
+
 def test_a_backend_that_does_not_install_is_skipped_with_a_line_and_the_layer_runs_as_before(registry, caplog):
     registry.register(kernels.Backend("missing", "int8-channel", "specdec_no_such_package", dequantized,
                                       lambda w, x: x))
@@ -51,8 +57,7 @@ def test_a_backend_that_does_not_install_is_skipped_with_a_line_and_the_layer_ru
         y = linear(x)
     assert "kernel backend missing skipped" in caplog.text and "specdec_no_such_package" in caplog.text
     assert linear._accelerated() == [] and registry._CHOICE == {}
-    expected = torch.ops.quantized.linear_dynamic(x, linear._packed, kernels.reduce_range())
-    assert torch.equal(y, expected)
+    assert torch.equal(y, by_row(linear, x))
 
 
 def test_a_backend_that_fails_its_check_is_skipped_for_that_shape_with_a_warning(registry, caplog):
@@ -72,19 +77,22 @@ def test_a_backend_that_fails_its_check_is_skipped_for_that_shape_with_a_warning
 
 
 def test_the_faster_kernel_is_chosen_per_row_bucket_and_kept(registry):
+    # Per row bucket: a batched forward of several sessions' rows (`kernels.gathered`).
     registry.register(exact("slow", delay_s=0.02))
     registry.register(exact("quick"))
     generator = torch.Generator().manual_seed(2)
     linear = layer(generator)
     x = torch.randn(5, 32, generator=generator)
-    y = linear(x)
+    with kernels.gathered():
+        y = linear(x)
     assert [b.name for b, _ in linear._accelerated()] == ["slow", "quick"]
-    key = ("int8-dynamic", 64, 32, kernels.bucket(5))
+    key = ("int8-dynamic", 64, 32, "gathered", kernels.bucket(5))
     assert registry._CHOICE[key] in ("quick", "fbgemm-int8")    # never the one that sleeps
     assert any("rows<=5" in line for line in registry.choices())
     # The same bucket again: no new timing, the same kernel (a chosen kernel is deterministic).
     started = time.perf_counter()
-    again = linear(x)
+    with kernels.gathered():
+        again = linear(x)
     assert time.perf_counter() - started < 0.02 and torch.equal(again, y)
     # Every kernel gives the layer's result within int8 roundings (bias included).
     reference = torch.ops.quantized.linear_dynamic(x, linear._packed, kernels.reduce_range())
@@ -119,16 +127,17 @@ def test_a_backend_that_raises_in_serving_is_left_out_and_the_call_goes_on(regis
     generator = torch.Generator().manual_seed(4)
     linear = layer(generator)
     x = torch.randn(3, 32, generator=generator)
-    with caplog.at_level(logging.WARNING, logger="specdec.runtime.kernels"):
+    with caplog.at_level(logging.WARNING, logger="specdec.runtime.kernels"), kernels.gathered():
         y = linear(x)
     reference = torch.ops.quantized.linear_dynamic(x, linear._packed, kernels.reduce_range())
     assert float((y - reference).norm() / reference.norm()) < kernels.CHECK_TOLERANCE
-    assert registry._CHOICE[("int8-dynamic", 64, 32, 3)] in ("quick", "fbgemm-int8")
+    assert registry._CHOICE[("int8-dynamic", 64, 32, "gathered", 3)] in ("quick", "fbgemm-int8")
     # Chosen, then failing: the layer's own kernel takes over for good.
-    key = ("int8-dynamic", 64, 32, 2)
+    key = ("int8-dynamic", 64, 32, "gathered", 2)
     registry._CHOICE[key] = "flaky"
     two = torch.randn(2, 32, generator=generator)
-    assert torch.equal(linear(two), torch.ops.quantized.linear_dynamic(two, linear._packed, kernels.reduce_range()))
+    with caplog.at_level(logging.WARNING, logger="specdec.runtime.kernels"), kernels.gathered():
+        assert torch.equal(linear(two), by_row(linear, two))
     assert registry._CHOICE[key] == "fbgemm-int8" and "flaky failed" in caplog.text
 
 
