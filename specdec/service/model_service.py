@@ -323,6 +323,32 @@ def measure_cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3, prefill
     return CostCurve(curve, round(min(per_token), 4) if prefills else 0.0)
 
 
+def warm_and_time(loaded: LoadedModel, service_name: str, key: dict | None, cost_curve_rows: int,
+                  prefill_chunk: int, max_sessions: int) -> tuple[CostCurve, dict[int, float]]:
+    """Warm up, then the cost curve and the gathered batches' costs: a start profile's,
+    saved under `key` by a start before, where a decode step timed now agrees with it
+    (its kernel choices restored before warm-up, which would time them); else timed,
+    with the prefill and gathered row buckets' kernel choices."""
+    profile = start_profile.load(key) if key is not None else None
+    if profile is not None:
+        kernels.restore_choices(profile.choices)
+    torch_thread.run(warm_up, loaded)
+    if profile is not None:
+        decode_ms = torch_thread.run(measure_cost_curve, loaded, 1, prefills=0).forward_ms[0]
+        saved = start_profile.path_for(key)
+        if start_profile.holds(profile, decode_ms):
+            log.info("%s: kernel choices and cost curves from %s (a decode step now %.1f ms, then %.1f ms)",
+                     service_name, saved, decode_ms, profile.curve.forward_ms[0])
+            return profile.curve, profile.gathered
+        log.info("%s: a decode step now takes %.1f ms, %.1f ms when %s was saved: timing again",
+                 service_name, decode_ms, profile.curve.forward_ms[0], saved)
+        kernels.restore_choices({})
+        torch_thread.run(forget_prepared, loaded)
+    torch_thread.run(time_prefill_buckets, loaded, prefill_chunk)
+    gathered = torch_thread.run(time_gathered_buckets, loaded, max_sessions)
+    return torch_thread.run(measure_cost_curve, loaded, cost_curve_rows), gathered
+
+
 def forget_prepared(loaded: LoadedModel) -> None:
     """Drop the accelerated kernels' weights the layers made for restored choices
     (`kernels.wanted`): the next call prepares every backend, to be timed again."""
@@ -379,41 +405,24 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
                            max_workers=max_sessions + 8, tls=tls, uds=uds, auth_token=auth_token)
     running.on_stop = store.close
     pinned = cost_curve or pinned_curve(service_name)
-    timed = not pinned and cost_curve_rows > 0  # the curve timed, with the prefill and gathered buckets
-    key = start_profile.profile_key(loaded.identity, str(loaded.device), dict(
-        service=service_name, kernel_rows=kernel_rows, batch_invariant=batch_invariant,
-        cost_curve_rows=cost_curve_rows, max_sessions=min(max_sessions, GATHERED_ROWS),
-        prefill_chunk=prefill_chunk, prefill_weights=prefill_weights))
-    keep = timed and start_profile_setting == "on"
-    profile = start_profile.load(key) if keep else None
-    if profile is not None:
-        kernels.restore_choices(profile.choices)  # before warm-up's forward, which would time them
-    torch_thread.run(warm_up, loaded)
-    if profile is not None:
-        decode_ms = torch_thread.run(measure_cost_curve, loaded, 1, prefills=0).forward_ms[0]
-        if start_profile.holds(profile, decode_ms):
-            log.info("%s: kernel choices and cost curves from %s (a decode step now %.1f ms, then %.1f ms)",
-                     service_name, start_profile.path_for(key), decode_ms, profile.curve.forward_ms[0])
-        else:
-            log.info("%s: a decode step now takes %.1f ms, %.1f ms when %s was saved: timing again",
-                     service_name, decode_ms, profile.curve.forward_ms[0], start_profile.path_for(key))
-            kernels.restore_choices({})
-            torch_thread.run(forget_prepared, loaded)
-            profile = None
     gathered: dict[int, float] = {}
-    if profile is not None:
-        servicer.curve, gathered = profile.curve, profile.gathered
-    elif timed:
-        torch_thread.run(time_prefill_buckets, loaded, prefill_chunk)
-        gathered = torch_thread.run(time_gathered_buckets, loaded, max_sessions)
-        servicer.curve = torch_thread.run(measure_cost_curve, loaded, cost_curve_rows)
-    else:
+    if pinned or cost_curve_rows <= 0:
+        torch_thread.run(warm_up, loaded)
         servicer.curve = pinned or torch_thread.run(measure_cost_curve, loaded, cost_curve_rows)
-    if keep:
-        def save_profile() -> None:  # at start, and at a clean stop with the choices made while serving
-            start_profile.save(start_profile.StartProfile(servicer.curve, gathered, kernels.saved_choices()), key)
-        save_profile()
-        running.on_stop = lambda: (store.close(), save_profile())
+    else:  # the curve timed, with the prefill and gathered buckets, or what a start before timed
+        key = start_profile.profile_key(loaded.identity, str(loaded.device), dict(
+            service=service_name, kernel_rows=kernel_rows, batch_invariant=batch_invariant,
+            cost_curve_rows=cost_curve_rows, max_sessions=min(max_sessions, GATHERED_ROWS),
+            prefill_chunk=prefill_chunk, prefill_weights=prefill_weights))
+        kept = start_profile_setting == "on"
+        servicer.curve, gathered = warm_and_time(loaded, service_name, key if kept else None, cost_curve_rows,
+                                                 prefill_chunk, max_sessions)
+        if kept:
+            def save_profile() -> None:  # at start, and at a clean stop with the choices made while serving
+                start_profile.save(start_profile.StartProfile(servicer.curve, gathered, kernels.saved_choices()),
+                                   key)
+            save_profile()
+            running.on_stop = lambda: (store.close(), save_profile())
     log.info("%s: forward ms by rows (1..%d): %s; prefill %.2f ms a token%s", service_name,
              len(servicer.curve.forward_ms), ", ".join(f"{ms:.1f}" for ms in servicer.curve.forward_ms),
              servicer.curve.prefill_ms_per_token, " (pinned, not measured)" if pinned else "")
