@@ -324,6 +324,9 @@ class RemoteDraftProposer(Proposer):
     def propose(self, num_tokens: int, sampling: SamplingConfig, commit: Commit | None,
                 min_confidence: float = 0.0, prefix: Sequence[int] = ()) -> Proposal:
         self._await_start()
+        if not self._is_up():   # marked down since the last round: no new call that would wait on it
+            raise ProposerUnavailable("the drafter became unavailable (it stopped answering its health checks)",
+                                      grpc.StatusCode.UNAVAILABLE)
         self._last_call = time.monotonic()
         try:
             return self.client.propose(self._session_id, num_tokens, sampling, commit, min_confidence,
