@@ -20,8 +20,7 @@ from contextlib import contextmanager
 from specdec.rpc.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 
 T = TypeVar("T")
-MAX_SESSION_ID_LEN = 128
-MAX_OWNER_LEN = 128
+MAX_SESSION_ID_LEN = 128  # session ids and owners alike
 MAX_LEASE_S = 3600.0
 REAP_INTERVAL_S = 1.0  # leases lapse within this of their end
 

@@ -310,8 +310,8 @@ def restore_choices(choices: dict[tuple, str]) -> None:
     """Start from these choices (a start profile's), or from none: `pick` times only
     what they do not hold, and a kernel they name that this process lacks is timed
     against the others again. A layer whose choices they hold prepares only the
-    backends they name (`wanted`): the 1.5B target's gate/up int8 copies, which no
-    choice names on the AVX-512 EPYC, took 8.7 s of each start."""
+    backends they name (`wanted`): a layer's other kernels' weights (an int8 copy of
+    an int4 weight, 0.3 s a gate/up layer of the 1.5B) are not made at all."""
     _CHOICE.clear()
     _CHOICE.update(choices)
     _NAMED.clear()
