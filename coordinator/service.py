@@ -69,7 +69,7 @@ class CoordinatorConfig:
     drafter_timeout_s: float = 30.0  # a drafter call slower than this: the request goes on without it
     watch: WatchSettings = WatchSettings()
     # The draft distribution's support sent when sampling (specdec.spec.wire.Truncation;
-    # the default from `scripts/draft_truncation.py`: acceptance against bytes).
+    # the default from measuring acceptance against bytes: docs/free-drafts.md).
     draft_truncation: Truncation = Truncation(top_k=DEFAULT_DRAFT_TOP_K, top_p=DEFAULT_DRAFT_TOP_P)
     lookup_history_tokens: int = 0  # recent outputs searched by a caller's lookups (0: none)
     share_prefix_cache: bool = False  # callers reuse each other's cached prompt prefixes (with auth on)

@@ -107,10 +107,12 @@ print("torch" in sys.modules)
 
 
 def test_every_measurement_script_imports():
-    """The scripts sit on top of everything: a move in the layers must not break them unnoticed."""
+    """The scripts and benchmarks sit on top of everything: a move in the layers must not break them unnoticed."""
     import importlib.util
-    for path in sorted((ROOT / "scripts").glob("*.py")):
-        spec = importlib.util.spec_from_file_location(f"scripts_{path.stem}", path)
+    paths = sorted((ROOT / "scripts").glob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py"))
+    assert len(paths) >= 8, paths   # a moved folder must not leave this test checking nothing
+    for path in paths:
+        spec = importlib.util.spec_from_file_location(f"{path.parent.name}_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
         sys.path.insert(0, str(path.parent))
         try:

@@ -8,7 +8,7 @@ log line, never an error). `pick` times each one on the first calls of a layer
 shape and row bucket, in the forward itself (the weights as cold or warm as
 serving finds them), and runs the fastest from then on; `choices()` is what it
 chose, for the log and the service's Info. Which kernel wins depends on the CPU
-(AVX2, AVX-512 VNNI, AMX), the shape and the rows: scripts/kernel_bench.py
+(AVX2, AVX-512 VNNI, AMX), the shape and the rows: benchmarks/kernel_bench.py
 measures them side by side.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 transformers' forward is general: per call it builds masks and position
 tensors, walks a cache object, and dispatches through several layers of
 modules and attention interfaces. For one decode row of a 1.5B model in int4
-that bookkeeping costs as much as a third of the step (scripts/forward_split.py).
+that bookkeeping costs as much as a third of the step (docs/runs/quantization.md).
 This forward does only the model's arithmetic, on the model's own modules
 (whatever their weights: bf16 Linear, Int4Linear, Int8 GEMMs), so quantization
 stays orthogonal to it:

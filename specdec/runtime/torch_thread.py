@@ -33,7 +33,7 @@ _ident: int | None = None
 # and a 2-row verify (42 ms) 57 ms. 10,000 spins still cover the microseconds
 # between the ops of one forward (with no spinning at all a draft step took 29 ms)
 # and sleep within a fraction of a millisecond after it: 25 and 47 ms.
-# scripts/round_time.py measures it.
+# docs/runs/quantization.md has the measurement.
 SPIN_COUNT = "10000"
 
 

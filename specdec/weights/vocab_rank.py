@@ -4,7 +4,7 @@ top N ids proposes only those, and stays lossless, since every other id gets
 probability zero in exactly the distribution it samples from and sends.
 
 One ranking per tokenizer, named by its fingerprint, in specdec/weights/vocab/
-(`scripts/vocab_rank.py` makes one from a target's own outputs). Where a
+(`benchmarks/vocab_rank.py` makes one from a target's own outputs). Where a
 tokenizer has none, or its ranking runs out, the lowest ids come next: BPE
 gives them to the merges it made first, the most frequent in its corpus."""
 from __future__ import annotations

@@ -4,9 +4,9 @@ VocabTrim), for a draft head cut to the top N (`--head-vocab N`): the target's
 greedy answers to Spec-Bench dev prompts, counted, then the prompts' own ids.
 Writes specdec/weights/vocab/<fingerprint>.npy (specdec.weights.vocab_rank),
 and the list of questions it read, so that a measurement of the cut head can
-leave them out (`scripts/draft_head.py --skip-ranked`).
+leave them out (`benchmarks/draft_head.py --skip-ranked`).
 
-  python scripts/vocab_rank.py --pair qwen-coder --every 2 --tokens 96
+  python benchmarks/vocab_rank.py --pair qwen-coder --every 2 --tokens 96
 """
 from __future__ import annotations
 

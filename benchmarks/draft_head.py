@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """A draft head cut to the N most frequent ids (`--head-vocab N`, ranked by
-scripts/vocab_rank.py) against its cost: for each N, the draft step's ms (the
+benchmarks/vocab_rank.py) against its cost: for each N, the draft step's ms (the
 INT8 draft loaded with that head, the forward the drafter runs, 1 and 4 rows
 after a prefix), and on Spec-Bench dev prompts the ranking did not read, with
 the target's own greedy answers teacher-forced: the expected acceptance
@@ -9,7 +9,7 @@ the drafter samples and sends it) and greedy agreement (the draft's top id is
 the target's). Also the same N cut by id, the ranking's baseline. Prints a
 table and writes JSON.
 
-  python scripts/draft_head.py --pair qwen-coder --sizes 8192,16384,32768,65536,0 --per-task 2
+  python benchmarks/draft_head.py --pair qwen-coder --sizes 8192,16384,32768,65536,0 --per-task 2
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def main() -> int:
     draft = torch_thread.run(load_model, pair.draft, dtype=pair.draft_dtype, quantize=draft_quantize)
     ranking = vocab_rank.load(target.fingerprint)
     if ranking is None:
-        say(f"no ranking for this tokenizer in {vocab_rank.DIR}: run scripts/vocab_rank.py first")
+        say(f"no ranking for this tokenizer in {vocab_rank.DIR}: run benchmarks/vocab_rank.py first")
         return 1
     ranked_on = set(json.loads(args.skip_ranked.read_text())) if args.skip_ranked.is_file() else set()
     questions = [q for q in load_questions(args.questions, None, None, args.per_task) if q.question_id not in ranked_on]

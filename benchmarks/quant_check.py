@@ -5,8 +5,8 @@ services run), and teacher-forced quality (top-1 agreement and mean KL against
 fp32) on Spec-Bench dev prompts, each followed by the fp32 model's own greedy
 continuation. Prints a table and writes JSON.
 
-  python scripts/quant_check.py --model qwen2.5-coder-1.5b-instruct --configs bf16:none,bf16:int4
-  python scripts/quant_check.py --model qwen2.5-coder-0.5b-instruct --configs fp32:int8,bf16:int4
+  python benchmarks/quant_check.py --model qwen2.5-coder-1.5b-instruct --configs bf16:none,bf16:int4
+  python benchmarks/quant_check.py --model qwen2.5-coder-0.5b-instruct --configs fp32:int8,bf16:int4
 """
 from __future__ import annotations
 

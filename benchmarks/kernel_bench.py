@@ -1,7 +1,7 @@
 """Linear-layer kernels side by side: ms of y = x W^T by weight shape and rows,
 for every backend that installs here (a missing one is skipped with a line).
 
-    python scripts/kernel_bench.py [--shapes 1536x8960,...] [--rows 1,2,4,...] [--threads N] [--out FILE.json]
+    python benchmarks/kernel_bench.py [--shapes 1536x8960,...] [--rows 1,2,4,...] [--threads N] [--out FILE.json]
 
 Weights are rotated past the last-level cache (as many copies as it takes to
 fill four times it), so each call reads its weight from memory as a decode step

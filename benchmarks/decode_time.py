@@ -16,7 +16,7 @@ the same machine (it drifts by more than the differences over minutes), and the
 table gives the median of the repeats. This process's OpenMP workers sleep as
 soon as the services' do. Prints a table and writes JSON.
 
-  python scripts/decode_time.py [--pair qwen-coder] [--tokens 64] [--repeats 3]
+  python benchmarks/decode_time.py [--pair qwen-coder] [--tokens 64] [--repeats 3]
 """
 from __future__ import annotations
 

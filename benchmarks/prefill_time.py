@@ -6,7 +6,7 @@ chunk takes whichever path its row bucket timed faster. Dense weights kept, as
 `--prefill-weights dense` serves; the first round, which times the paths, is
 not counted. Prints ms per prompt token and writes JSON.
 
-  python scripts/prefill_time.py --tokens 8,16,32,48,63 --repeats 4
+  python benchmarks/prefill_time.py --tokens 8,16,32,48,63 --repeats 4
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ as `specdec up` runs them), then times, interleaved so both see the same machine
     (at T=0.7 the draft probabilities travel: [4, 512] fp16).
 Prints a table and writes JSON (default rpc_time.json).
 
-  python scripts/rpc_time.py [--rounds 300] [--out rpc_time.json]
+  python benchmarks/rpc_time.py [--rounds 300] [--out rpc_time.json]
 """
 from __future__ import annotations
 
