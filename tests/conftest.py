@@ -154,3 +154,12 @@ def served_coordinator(**config) -> Iterator[ServedCoordinator]:
 def model_draft_tokens(stats) -> int:
     """A response's tokens drafted by the draft model (not by n-gram lookups)."""
     return sum(s.draft_tokens for s in stats.draft_sources if s.source == "model")
+
+
+@pytest.fixture
+def kernel_state():
+    """A kernel state of the test's own (kernel_choices.KernelState): the choices it
+    makes or pins, and the checks that fail in it, end with the test."""
+    from specdec.runtime import kernel_choices
+    with kernel_choices.scope() as state:
+        yield state

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from specdec.runtime import dense_rows, kernels
+from specdec.runtime import dense_rows, kernel_choices, kernels
 from specdec.runtime.quant.int4 import Int4Linear
 from specdec.runtime.quant.int8 import Int8WeightOnlyLinear
 from tests.test_int4 import random_q4k
@@ -32,8 +32,7 @@ DTYPES = [torch.bfloat16, torch.float32]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("make, kind", [(int4_layer, "int4"), (int8_layer, "int8")])
-def test_many_rows_run_whichever_path_measured_faster_and_both_agree(monkeypatch, make, kind, dtype):
-    monkeypatch.setattr(kernels, "_CHOICE", {})
+def test_many_rows_run_whichever_path_measured_faster_and_both_agree(monkeypatch, make, kind, dtype, kernel_state):
     monkeypatch.setattr(dense_rows, "matmul_dtype", lambda: dtype)
     layer = make()
     weight = layer.dense_weight().float()
@@ -41,15 +40,15 @@ def test_many_rows_run_whichever_path_measured_faster_and_both_agree(monkeypatch
     x = torch.randn(100, 256)
     first = layer(x)
     key = (kind, 128, 256, "prefill", 128)  # 100 rows: the 65..128 bucket, timed once
-    assert set(kernels._CHOICE) == {key}
+    assert set(kernel_state.choices) == {key}
     assert torch.equal(first, layer(x))  # the first call returned the chosen path's output
     reference = x.to(torch.bfloat16).float() @ weight.t() + bias
     bound = 4 * 2.0 ** -8 * (x.abs() @ weight.abs().t() + bias.abs())  # a few bf16 roundings
     for dense in (True, False):
-        kernels._CHOICE[key] = "dense" if dense else "kernel"
+        kernel_state.choices[key] = "dense" if dense else "kernel"
         assert ((layer(x) - reference).abs() <= bound).all(), dense
     layer(torch.randn(dense_rows.MIN_ROWS - 1, 256))
-    assert set(kernels._CHOICE) == {key}  # fewer rows than MIN_ROWS never ask: the kernel runs
+    assert set(kernel_state.choices) == {key}  # fewer rows than MIN_ROWS never ask: the kernel runs
 
 
 def test_unpack_fills_every_chunk_in_order(monkeypatch):
@@ -65,9 +64,8 @@ def test_unpack_fills_every_chunk_in_order(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_int8_dynamic_layer_takes_finer_activations_on_the_dense_path(monkeypatch, dtype):
+def test_the_int8_dynamic_layer_takes_finer_activations_on_the_dense_path(monkeypatch, dtype, kernel_state):
     from specdec.runtime.quant.int8 import Int8Linear
-    monkeypatch.setattr(kernels, "_CHOICE", {})
     monkeypatch.setattr(dense_rows, "matmul_dtype", lambda: dtype)
     layer = Int8Linear(torch.randn(128, 256), torch.randn(128))
     weight, bias = layer.dense_weight()
@@ -75,21 +73,20 @@ def test_the_int8_dynamic_layer_takes_finer_activations_on_the_dense_path(monkey
     x = torch.randn(100, 256)
     reference = x @ weight.float().t() + bias
     key = ("int8-dynamic", 128, 256, "prefill", 128)
-    kernels._CHOICE[key] = "dense"
+    kernel_state.choices[key] = "dense"
     bf16_bound = 4 * 2.0 ** -8 * (x.abs() @ weight.float().abs().t())
     assert ((layer(x) - reference).abs() <= bf16_bound).all()
-    kernels._CHOICE[key] = "kernel"  # the kernel: int8 activations, coarser (a step of max|x| / 127 per input)
+    kernel_state.choices[key] = "kernel"  # the kernel: int8 activations, coarser (a step of max|x| / 127 per input)
     kernel_error = (layer(x) - reference).abs()
     assert (kernel_error <= (x.abs().amax() / 127) * weight.float().abs().sum(1)).all()
-    kernels._CHOICE[key] = "dense"
+    kernel_state.choices[key] = "dense"
     assert (layer(x) - reference).abs().mean() < kernel_error.mean()  # bf16 or fp32 activations are the finer
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("make, kind", [(int4_layer, "int4"), (int8_layer, "int8")])
-def test_kept_dense_weights_give_the_unpacked_paths_output(monkeypatch, make, kind, dtype):
-    monkeypatch.setattr(kernels, "_CHOICE", {(kind, 128, 256, "prefill", 128): "dense",
-                                             (kind, 128, 256, "kept", 128): "dense"})
+def test_kept_dense_weights_give_the_unpacked_paths_output(monkeypatch, make, kind, dtype, kernel_state):
+    kernel_state.choices.update({(kind, 128, 256, "prefill", 128): "dense", (kind, 128, 256, "kept", 128): "dense"})
     monkeypatch.setattr(dense_rows, "matmul_dtype", lambda: dtype)
     layer = make()
     x = torch.randn(100, 256)
@@ -104,11 +101,11 @@ def test_kept_dense_weights_give_the_unpacked_paths_output(monkeypatch, make, ki
 
 @pytest.mark.parametrize("make, kind", [(int4_layer, "int4"), (int8_layer, "int8")])
 def test_with_the_dense_weight_kept_calls_under_min_rows_run_the_kernel_and_prefill_sized_ones_are_timed(monkeypatch,
-                                                                                                     make, kind):
+                                                                                                     make, kind,
+                                                                                                     kernel_state):
     # The kept weight is the kernel's rounded to bf16: a verify call on it could pick another
     # greedy token than a decode step, so every call a decode or a verification makes stays
     # on the kernel, whatever timing would say.
-    monkeypatch.setattr(kernels, "_CHOICE", {})
     layer = make()
     xs = {rows: torch.randn(rows, 256) for rows in (1, 2, 5, 17, dense_rows.MIN_ROWS - 1)}
     kernel = {rows: layer(x) for rows, x in xs.items()}           # no kept weight: the kernel
@@ -119,25 +116,24 @@ def test_with_the_dense_weight_kept_calls_under_min_rows_run_the_kernel_and_pref
         if isinstance(kept, tuple) else kept * 0
     for rows, x in xs.items():
         assert torch.equal(layer(x), kernel[rows]), rows
-    assert kernels._CHOICE == {}                                  # never timed: the kernel, unasked
+    assert kernel_state.choices == {}                                  # never timed: the kernel, unasked
     layer.__dict__["_kept_dense"] = kept
     layer(torch.randn(dense_rows.MIN_ROWS, 256))
-    assert set(kernels._CHOICE) == {(kind, 128, 256, "kept", dense_rows.MIN_ROWS)}
-    assert set(kernels._CHOICE.values()) <= {"kernel", "dense"}
+    assert set(kernel_state.choices) == {(kind, 128, 256, "kept", dense_rows.MIN_ROWS)}
+    assert set(kernel_state.choices.values()) <= {"kernel", "dense"}
 
 
-def test_in_a_batched_forward_each_dense_call_runs_on_its_own_rows_and_the_kernels_rows_run_together(monkeypatch):
+def test_in_a_batched_forward_each_dense_call_runs_on_its_own_rows_and_the_kernels_rows_run_together(monkeypatch, kernel_state):
     # A dense matmul's bits may change with its rows (oneDNN's bf16 matmul on an AMX Xeon
     # changed kernel between 32 and 56 rows of a 1536 x 8960 weight), so two prompts'
     # chunks prefilled in one forward must each get the matmul of its own rows; the
     # kernel's rows (decode steps, verifications: kernels that compute a row the same in
     # a call of any rows) run as one call.
-    monkeypatch.setattr(kernels, "_CHOICE", {})
     layer = int4_layer()
     shape = ("int4", 128, 256, "prefill")
-    kernels._CHOICE[(*shape, kernels.bucket(20))] = "dense"
-    kernels._CHOICE[(*shape, kernels.bucket(7))] = "dense"
-    kernels._CHOICE[(*shape, kernels.bucket(5))] = "kernel"
+    kernel_state.choices[(*shape, kernel_choices.bucket(20))] = "dense"
+    kernel_state.choices[(*shape, kernel_choices.bucket(7))] = "dense"
+    kernel_state.choices[(*shape, kernel_choices.bucket(5))] = "kernel"
     seen = {"kernel": [], "dense": []}
     for name, method in (("kernel", "_kernel"), ("dense", "_dense")):
         real = getattr(layer, method)

@@ -11,7 +11,6 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from specdec.runtime import kernels
 from specdec.runtime.quant.int4 import Int4Linear
 from specdec.runtime.quant.int8 import Int8WeightOnlyLinear
 from tests.test_int4 import random_q4k
@@ -76,13 +75,12 @@ def test_unaligned_blocks_are_copied_to_aligned_memory():
     assert torch.equal(linear(x), aligned(x))
 
 
-def test_the_int4_layers_offer_it_and_a_verification_is_its_decode_steps(monkeypatch):
-    monkeypatch.setattr(kernels, "_CHOICE", {})
+def test_the_int4_layers_offer_it_and_a_verification_is_its_decode_steps(monkeypatch, kernel_state):
     parts = [Int4Linear.from_q4k(random_q4k(128, 256, seed=s), 128, 256) for s in (7, 8)]
     fused = Int4Linear.concat(parts)                       # q/k/v or gate/up: their blocks side by side
     assert torch.equal(fused.gguf_blocks, torch.cat([p.gguf_blocks for p in parts]))
     assert "ggml" in [b.name for b, _ in fused._accelerated()]   # checked against the int4 kernel
-    monkeypatch.setitem(kernels._CHOICE, ("int4", 256, 256, 0), "ggml")
+    monkeypatch.setitem(kernel_state.choices, ("int4", 256, 256, 0), "ggml")
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
     rows = fused(x)
     assert torch.equal(rows, torch.cat([fused(x[r:r + 1]) for r in range(6)]))
@@ -92,22 +90,20 @@ def test_the_int4_layers_offer_it_and_a_verification_is_its_decode_steps(monkeyp
     assert "_accel" not in fused.__getstate__()
 
 
-def test_a_q6k_layer_kept_in_int8_offers_it_on_its_own_blocks(monkeypatch):
-    monkeypatch.setattr(kernels, "_CHOICE", {})
+def test_a_q6k_layer_kept_in_int8_offers_it_on_its_own_blocks(monkeypatch, kernel_state):
     raw = random_q6k(64, 256, seed=9)
     weight = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q6_K).reshape(64, 256))
     layer = Int8WeightOnlyLinear(weight, blocks=torch.from_numpy(raw), ggml_type=int(GGMLQuantizationType.Q6_K))
     assert [b.name for b, _ in layer._accelerated()] == ["ggml"]
     assert Int8WeightOnlyLinear(weight)._accelerated() == []      # no blocks: nothing to run them on
-    monkeypatch.setitem(kernels._CHOICE, ("int8-wo", 64, 256, 0), "ggml")
+    monkeypatch.setitem(kernel_state.choices, ("int8-wo", 64, 256, 0), "ggml")
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
     out = layer(x)
     assert torch.equal(out, torch.cat([layer(x[r:r + 1]) for r in range(5)]))
     assert relative_error(out, x @ weight.t()) < 0.02
 
 
-def test_a_layer_whose_blocks_fail_the_check_keeps_torchs_kernel(monkeypatch, caplog):
-    monkeypatch.setattr(kernels, "_FAILED", set())
+def test_a_layer_whose_blocks_fail_the_check_keeps_torchs_kernel(monkeypatch, caplog, kernel_state):
     raw = random_q4k(64, 256, seed=10)
     layer = Int4Linear.from_q4k(raw, 64, 256)
     layer.gguf_blocks = torch.from_numpy(random_q4k(64, 256, seed=11)).view(64, -1)   # another tensor's blocks

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from specdec.runtime import kernels, lean
+from specdec.runtime import kernel_choices, lean
 from specdec.runtime.quant.int4 import quantize_from_gguf
 from tests.test_int4 import random_q4k, write_gguf
 
@@ -60,11 +60,10 @@ def tiny_qwen(tmp_path, layers: int = 2) -> tuple[Qwen2ForCausalLM, Qwen2ForCaus
 
 
 @pytest.fixture
-def pinned(monkeypatch):
-    monkeypatch.setattr(kernels, "_CHOICE", {})
+def pinned(monkeypatch, kernel_state):
 
     def pin(name: str) -> None:
-        kernels._CHOICE[(*ggml_forward.KEY, 0)] = name
+        kernel_state.choices[(*ggml_forward.KEY, 0)] = name
     return pin
 
 
@@ -93,7 +92,7 @@ def test_the_graph_computes_the_model_and_a_verification_is_its_decode_steps(tmp
         exact = reference(ids[None]).logits[0, 4:].float()
     error = float((rows - exact).norm() / exact.norm())
     assert error < 0.05, error                         # int8 activations against fp32 arithmetic
-    assert f"forward decode every call: {name}" in kernels.choices()
+    assert f"forward decode every call: {name}" in kernel_choices.choices()
     graph = forward._graph()
     if name == "ggml-graph-repacked":                  # every Q4_K weight laid out anew; calls of 3 rows
         assert graph.repacked == 7 * 2 and graph.chunk_rows == ggml.REPACK_ROWS
@@ -154,13 +153,13 @@ def test_where_the_repacked_kernels_fail_their_probe_the_plain_blocks_are_timed_
     model, _ = tiny_qwen(tmp_path, layers=1)
     monkeypatch.setattr(ggml, "repack_usable", lambda ggml_type: False)
     timed = []
-    real_pick = kernels.pick
+    real_pick = kernel_choices.pick
 
     def pick(key, rows, calls, per_layer=False):
         if key[:2] == ggml_forward.KEY:
             timed.append(list(calls))
         return real_pick(key, rows, calls, per_layer)
-    monkeypatch.setattr(kernels, "pick", pick)
+    monkeypatch.setattr(kernel_choices, "pick", pick)
     forward = lean.LeanForward(model)
     forward._graph()
     assert timed == [["torch", "ggml-graph"]]
@@ -177,7 +176,7 @@ def test_models_it_does_not_cover_and_a_pinned_choice_keep_torchs_forward(tmp_pa
     pinned("torch")
     forward = lean.LeanForward(model)
     assert forward._graph() is None
-    assert kernels.choices() == ["forward decode every call: torch"]
+    assert kernel_choices.choices() == ["forward decode every call: torch"]
 
 
 @pytest.mark.parametrize("fault, reason", [

@@ -114,8 +114,7 @@ def test_q4k_linears_go_int4_others_int8_each_checked_first(tmp_path):
     assert torch.allclose(layer.mlp.down_proj(h), h @ down_weight.t(), rtol=0.03, atol=0.03 * h.abs().max() * 8)
 
 
-def test_concat_computes_the_parts_side_by_side_and_the_parts_still_work(monkeypatch):
-    from specdec.runtime import kernels
+def test_concat_computes_the_parts_side_by_side_and_the_parts_still_work(kernel_state):
 
     parts = [Int4Linear.from_q4k(random_q4k(rows, 256, seed=rows), rows, 256, torch.randn(rows))
              for rows in (64, 128, 32)]
@@ -128,7 +127,8 @@ def test_concat_computes_the_parts_side_by_side_and_the_parts_still_work(monkeyp
                                if all(b.name in [o.name for o, _ in p._accelerated()] for p in parts[1:]))]
 
     def pinned(name: str, layers) -> None:
-        monkeypatch.setattr(kernels, "_CHOICE", {("int4", layer.out_features, 256, 0): name for layer in layers})
+        kernel_state.choices.clear()
+        kernel_state.choices.update({("int4", layer.out_features, 256, 0): name for layer in layers})
 
     separate = {}
     for name in offered:
@@ -140,7 +140,7 @@ def test_concat_computes_the_parts_side_by_side_and_the_parts_still_work(monkeyp
         pinned(name, [fused, *parts])
         assert torch.equal(fused(x), torch.cat(separate[name], dim=-1)), name
         assert all(torch.equal(p(x), s) for p, s in zip(parts, separate[name])), name  # now views into fused
-        assert set(kernels._CHOICE.values()) == {name}   # none fell back to another kernel
+        assert set(kernel_state.choices.values()) == {name}   # none fell back to another kernel
 
 
 def test_int4_needs_a_gguf_source_and_says_so():
@@ -207,11 +207,11 @@ def test_a_quantization_is_one_module_and_a_registration():
     assert Int4Linear in FUSABLE  # int4 layers fuse q/k/v and gate/up
 
 
-def test_gate_and_up_offer_int8_activations_checked_per_layer_and_a_verification_is_its_decode_steps(monkeypatch):
+def test_gate_and_up_offer_int8_activations_checked_per_layer_and_a_verification_is_its_decode_steps(monkeypatch, kernel_state):
     from specdec.runtime import kernels
 
-    monkeypatch.setattr(kernels, "_CHOICE", {})
-    monkeypatch.setitem(kernels._usable, "ggml", False)   # the GGUF-block kernels: tests/test_ggml.py
+    # the GGUF-block kernels: tests/test_ggml.py
+    monkeypatch.setattr(kernels, "BACKENDS", [b for b in kernels.BACKENDS if b.name != "ggml"])
     parts = [Int4Linear.from_q4k(random_q4k(128, 256, seed=s), 128, 256, int8_activations=True) for s in (7, 8)]
     plain = Int4Linear.from_q4k(random_q4k(128, 256, seed=9), 128, 256)
     fused = Int4Linear.concat(parts)

@@ -129,7 +129,6 @@ def test_a_ranked_head_keeps_the_most_frequent_ids_then_the_lowest(monkeypatch, 
 def fbgemm_only(monkeypatch):
     """torch's own int8 kernel alone: where an accelerated backend installs, which kernel a shape
     runs is timed on this machine, and kernels with other activation scales differ by roundings."""
-    from specdec.runtime import kernels
     monkeypatch.setattr(kernels, "BACKENDS", [])
 
 
@@ -165,12 +164,11 @@ def test_the_int8_draft_runs_its_qkv_fused_in_the_lean_forward(monkeypatch, fbge
     assert torch.allclose(got, want, rtol=0, atol=1e-4)
 
 
-def test_each_row_comes_out_as_it_would_alone_so_a_seeded_draft_ignores_its_batch(monkeypatch):
+def test_each_row_comes_out_as_it_would_alone_so_a_seeded_draft_ignores_its_batch(monkeypatch, kernel_state):
     # fbgemm's dynamic GEMM scales its activations on the whole call's range: eight
     # sessions' rows in one call would each depend on the other seven. The layer keeps
     # one kernel for every call that gives each row its bits alone (--batch-invariant's
     # promise; a gathered batch of several sessions may choose otherwise).
-    monkeypatch.setattr(kernels, "_CHOICE", {})
     torch.manual_seed(0)
     layer = Int8Linear(torch.randn(48, 64), torch.randn(48))
     x = torch.randn(8, 64) * torch.linspace(0.1, 10, 8)[:, None]   # rows of very different ranges

@@ -12,16 +12,13 @@ import time
 import pytest
 import torch
 
-from specdec.runtime import kernels
+from specdec.runtime import kernel_choices, kernels
 from specdec.runtime.quant import int8
 
 
 @pytest.fixture
-def registry(monkeypatch):
+def registry(monkeypatch, kernel_state):
     monkeypatch.setattr(kernels, "BACKENDS", [])
-    monkeypatch.setattr(kernels, "_usable", {})
-    monkeypatch.setattr(kernels, "_CHOICE", {})
-    monkeypatch.setattr(kernels, "_FAILED", set())
     return kernels
 
 
@@ -56,7 +53,7 @@ def test_a_backend_that_does_not_install_is_skipped_with_a_line_and_the_layer_ru
         x = torch.randn(3, 32, generator=generator)
         y = linear(x)
     assert "kernel backend missing skipped" in caplog.text and "specdec_no_such_package" in caplog.text
-    assert linear._accelerated() == [] and registry._CHOICE == {}
+    assert linear._accelerated() == [] and kernel_choices.state().choices == {}
     assert torch.equal(y, by_row(linear, x))
 
 
@@ -77,21 +74,21 @@ def test_a_backend_that_fails_its_check_is_skipped_for_that_shape_with_a_warning
 
 
 def test_the_faster_kernel_is_chosen_per_row_bucket_and_kept(registry):
-    # Per row bucket: a batched forward of several sessions' rows (`kernels.gathered`).
+    # Per row bucket: a batched forward of several sessions' rows (`kernel_choices.gathered`).
     registry.register(exact("slow", delay_s=0.02))
     registry.register(exact("quick"))
     generator = torch.Generator().manual_seed(2)
     linear = layer(generator)
     x = torch.randn(5, 32, generator=generator)
-    with kernels.gathered():
+    with kernel_choices.gathered():
         y = linear(x)
     assert [b.name for b, _ in linear._accelerated()] == ["slow", "quick"]
-    key = ("int8-dynamic", 64, 32, "gathered", kernels.bucket(5))
-    assert registry._CHOICE[key] in ("quick", "fbgemm-int8")    # never the one that sleeps
-    assert any("rows<=5" in line for line in registry.choices())
+    key = ("int8-dynamic", 64, 32, "gathered", kernel_choices.bucket(5))
+    assert kernel_choices.state().choices[key] in ("quick", "fbgemm-int8")    # never the one that sleeps
+    assert any("rows<=5" in line for line in kernel_choices.choices())
     # The same bucket again: no new timing, the same kernel (a chosen kernel is deterministic).
     started = time.perf_counter()
-    with kernels.gathered():
+    with kernel_choices.gathered():
         again = linear(x)
     assert time.perf_counter() - started < 0.02 and torch.equal(again, y)
     # Every kernel gives the layer's result within int8 roundings (bias included).
@@ -100,7 +97,7 @@ def test_the_faster_kernel_is_chosen_per_row_bucket_and_kept(registry):
 
 
 def test_row_buckets_are_exact_to_eight_then_powers_of_two():
-    assert [kernels.bucket(r) for r in (1, 4, 5, 8, 9, 16, 17, 64, 65)] == [1, 4, 5, 8, 16, 16, 32, 64, 128]
+    assert [kernel_choices.bucket(r) for r in (1, 4, 5, 8, 9, 16, 17, 64, 65)] == [1, 4, 5, 8, 16, 16, 32, 64, 128]
 
 
 def test_the_model_cache_saves_a_layer_without_this_machines_kernels(registry):
@@ -127,18 +124,18 @@ def test_a_backend_that_raises_in_serving_is_left_out_and_the_call_goes_on(regis
     generator = torch.Generator().manual_seed(4)
     linear = layer(generator)
     x = torch.randn(3, 32, generator=generator)
-    with caplog.at_level(logging.WARNING, logger="specdec.runtime.kernels"), kernels.gathered():
+    with caplog.at_level(logging.WARNING, logger="specdec.runtime.kernels"), kernel_choices.gathered():
         y = linear(x)
     reference = torch.ops.quantized.linear_dynamic(x, linear._packed, kernels.reduce_range())
     assert float((y - reference).norm() / reference.norm()) < kernels.CHECK_TOLERANCE
-    assert registry._CHOICE[("int8-dynamic", 64, 32, "gathered", 3)] in ("quick", "fbgemm-int8")
+    assert kernel_choices.state().choices[("int8-dynamic", 64, 32, "gathered", 3)] in ("quick", "fbgemm-int8")
     # Chosen, then failing: the layer's own kernel takes over for good.
     key = ("int8-dynamic", 64, 32, "gathered", 2)
-    registry._CHOICE[key] = "flaky"
+    kernel_choices.state().choices[key] = "flaky"
     two = torch.randn(2, 32, generator=generator)
-    with caplog.at_level(logging.WARNING, logger="specdec.runtime.kernels"), kernels.gathered():
+    with caplog.at_level(logging.WARNING, logger="specdec.runtime.kernels"), kernel_choices.gathered():
         assert torch.equal(linear(two), by_row(linear, two))
-    assert registry._CHOICE[key] == "fbgemm-int8" and "flaky failed" in caplog.text
+    assert kernel_choices.state().choices[key] == "fbgemm-int8" and "flaky failed" in caplog.text
 
 
 def per_row(name: str, delay_s: float = 0.0) -> kernels.Backend:
@@ -190,8 +187,8 @@ def test_a_per_layer_choice_serves_every_row_count_so_verification_matches_decod
     head._weight_only = slow_own
     x = torch.randn(5, 32, generator=generator)
     one_at_a_time = torch.cat([head(x[i:i + 1]) for i in range(5)])   # decided here, at one row
-    assert registry._CHOICE[("int8-wo", 64, 32, 0)] == "rowwise"
-    assert any("int8-wo 64 32 every call: rowwise" == line for line in registry.choices())
+    assert kernel_choices.state().choices[("int8-wo", 64, 32, 0)] == "rowwise"
+    assert any("int8-wo 64 32 every call: rowwise" == line for line in kernel_choices.choices())
     assert torch.equal(head(x), one_at_a_time)   # 5 rows, where it is slow: still the same kernel, the same rows
 
 
@@ -214,7 +211,7 @@ def test_a_per_layer_choice_is_timed_on_one_row_whatever_rows_its_first_call_has
     # A warm-up's or a short prompt's few rows may come first: the choice is still a decode step's.
     head, generator = quick_at_one_row_head(registry, seed=8)
     head(torch.randn(5, 32, generator=generator))      # the first call: 5 rows
-    assert registry._CHOICE[("int8-wo", 64, 32, 0)] == "rowwise"
+    assert kernel_choices.state().choices[("int8-wo", 64, 32, 0)] == "rowwise"
 
 
 def test_a_backend_whose_cpu_features_are_missing_is_skipped_with_a_line_and_never_imported(registry, monkeypatch,
@@ -309,7 +306,7 @@ def test_an_int8_weight_only_head_offered_int8_activations_takes_fbgemm_per_row_
     x = torch.randn(5, 64, generator=generator).bfloat16()
     out = head(x)
     assert torch.equal(out, torch.cat([head(x[r:r + 1]) for r in range(5)]))  # one kernel for every row count
-    assert any("every call" in line for line in registry.choices())
+    assert any("every call" in line for line in kernel_choices.choices())
 
 
 def test_a_layer_whose_input_carries_outliers_takes_only_backends_that_keep_enough_bits(registry):
@@ -341,10 +338,10 @@ def test_a_kernel_many_times_slower_than_the_fastest_is_timed_once_not_every_try
             time.sleep(delay_s)
             return torch.zeros(1)
         return call
-    registry.pick(("k",), 5, {"own": kernel("own", 0.02), "close": kernel("close", 0.02),
-                              "hopeless": kernel("hopeless", 0.02 * (kernels.HOPELESS + 5))})
-    assert calls == {"own": kernels.TRIES, "close": kernels.TRIES, "hopeless": 1}
-    assert registry._CHOICE[("k", 5)] in ("own", "close")
+    kernel_choices.pick(("k",), 5, {"own": kernel("own", 0.02), "close": kernel("close", 0.02),
+                              "hopeless": kernel("hopeless", 0.02 * (kernel_choices.HOPELESS + 5))})
+    assert calls == {"own": kernel_choices.TRIES, "close": kernel_choices.TRIES, "hopeless": 1}
+    assert kernel_choices.state().choices[("k", 5)] in ("own", "close")
 
 
 def test_a_per_layer_choice_made_on_a_prefill_chunk_is_timed_on_one_row_and_serves_every_call(registry):
@@ -354,9 +351,9 @@ def test_a_per_layer_choice_made_on_a_prefill_chunk_is_timed_on_one_row_and_serv
     head, generator = quick_at_one_row_head(registry, seed=10)
     x = torch.randn(100, 32, generator=generator)
     first = head._kernel(x.bfloat16())
-    assert registry._CHOICE == {("int8-wo", 64, 32, 0): "rowwise"}
+    assert kernel_choices.state().choices == {("int8-wo", 64, 32, 0): "rowwise"}
     assert torch.equal(first, torch.cat([head._kernel(x[i:i + 1].bfloat16()) for i in range(100)]))
-    assert registry._CHOICE == {("int8-wo", 64, 32, 0): "rowwise"}
+    assert kernel_choices.state().choices == {("int8-wo", 64, 32, 0): "rowwise"}
 
 
 def test_a_backend_whose_selftest_fails_is_skipped_with_a_line(registry, caplog):
@@ -371,13 +368,12 @@ def test_a_backend_whose_selftest_fails_is_skipped_with_a_line(registry, caplog)
     assert "ended with code -4" in caplog.text
 
 
-def test_a_service_batching_many_sessions_times_the_choice_at_its_rows(registry, monkeypatch):
+def test_a_service_batching_many_sessions_times_the_choice_at_its_rows(registry, monkeypatch, kernel_state):
     # --kernel-rows 8: the kernel quickest at one row but slow at eight is not chosen,
     # though the first call is a decode step's one row.
-    monkeypatch.setattr(kernels, "_CHOICE_ROWS", [1])
-    kernels.choose_at(8)
+    kernel_choices.choose_at(8)
     head, generator = quick_at_one_row_head(registry, seed=9)
     head(torch.randn(1, 32, generator=generator))
-    assert registry._CHOICE[("int8-wo", 64, 32, 0)] == "torch-int8-wo"
+    assert kernel_choices.state().choices[("int8-wo", 64, 32, 0)] == "torch-int8-wo"
     with pytest.raises(ValueError, match="--kernel-rows must be at least 1"):
-        kernels.choose_at(0)
+        kernel_choices.choose_at(0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specdec.runtime import dense_rows, kernels, lean
+from specdec.runtime import dense_rows, kernel_choices, kernels, lean
 from specdec.runtime.quant.int4 import GROUP, Int4Linear
 from specdec.runtime.kv_cache import SequenceCache
 from specdec.runtime.models import load_model
@@ -37,16 +37,14 @@ def test_lean_logits_equal_transformers_over_prefill_verify_and_rollback(tiny_ta
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_a_prefills_many_rows_give_transformers_logits_on_either_attention_path(tiny_target, monkeypatch, fused):
+def test_a_prefills_many_rows_give_transformers_logits_on_either_attention_path(tiny_target, monkeypatch, fused, kernel_state):
     # Rows >= dense_rows.MIN_ROWS may take torch's fused attention: from an empty
     # cache (causal) and after a cached prefix (masked), as the choice falls.
-    from specdec.runtime import kernels
-    monkeypatch.setattr(kernels, "_CHOICE", {})
     tokens = [(13 * i + 5) % 500 for i in range(220)]
     forward = tiny_target.lean
     heads = (forward.heads, forward.kv_heads, forward.head_dim)
     for rows in (100, 120):  # both in the 65..128 bucket
-        kernels._CHOICE[("attention", *heads, "prefill", kernels.bucket(rows))] = "sdpa" if fused else "bmm"
+        kernel_state.choices[("attention", *heads, "prefill", kernel_choices.bucket(rows))] = "sdpa" if fused else "bmm"
     cache = forward.new_cache()
     # fp32 sums over 100+ positions in another order: within 1e-4 of logits of size ~5.
     got = forward(torch.tensor(tokens[:100]), cache, keep_last=100)                # causal, from empty
@@ -128,18 +126,16 @@ def test_other_families_say_why_they_take_transformers_forward():
 
 
 @pytest.mark.parametrize("prefill_rows", [70, 20])
-def test_a_calls_logits_do_not_depend_on_a_prefill_sharing_its_forward(monkeypatch, prefill_rows):
+def test_a_calls_logits_do_not_depend_on_a_prefill_sharing_its_forward(monkeypatch, prefill_rows, kernel_state):
     # A batched forward of a prefill chunk and a 3-row verify call: the chunk may take the
     # dense path (at any size: it keeps no logits), the 3-row call's rows must still take
     # the kernel, as they would alone, and the chunk's the path its own rows take alone.
-    from specdec.runtime import kernels
     forward = _tiny_int4_forward()
-    monkeypatch.setattr(kernels, "_CHOICE", {})
     # bf16 dense matmuls, whose bits differ from the kernel's: which path a row took then shows.
     monkeypatch.setattr(dense_rows, "matmul_dtype", lambda: torch.bfloat16)
-    chosen = {("int4", layer.out_features, layer.in_features, "prefill", kernels.bucket(prefill_rows)): "dense"
+    chosen = {("int4", layer.out_features, layer.in_features, "prefill", kernel_choices.bucket(prefill_rows)): "dense"
               for layer in forward.linears()}  # the dense path wherever the chunk's rows ask
-    kernels._CHOICE.update(chosen)
+    kernel_state.choices.update(chosen)
     prompt, draft = list(range(3, 23)), [40, 41, 42]
     other = [(7 * i) % 290 + 5 for i in range(prefill_rows)]
 
@@ -161,21 +157,19 @@ def test_a_calls_logits_do_not_depend_on_a_prefill_sharing_its_forward(monkeypat
         kernel_cache = forward.new_cache()
         forward(torch.tensor(other), kernel_cache, keep_last=1)
         assert not torch.equal(kernel_cache.buffer[:, :, :, :prefill_rows], chunk_alone.buffer[:, :, :, :prefill_rows])
-    assert {k: v for k, v in kernels._CHOICE.items() if k[0] == "int4"} == chosen  # no other bucket was asked
+    assert {k: v for k, v in kernel_state.choices.items() if k[0] == "int4"} == chosen  # no other bucket was asked
 
 
-def test_prefill_chunks_sharing_a_forward_each_take_their_own_buckets_path(monkeypatch):
+def test_prefill_chunks_sharing_a_forward_each_take_their_own_buckets_path(monkeypatch, kernel_state):
     # Two sessions' prefill chunks beside a verify call: the 20-row chunk's bucket chose the
     # dense path, the 8-row chunk's the kernel, and a 30-row chunk's bucket is not timed yet.
     # Each chunk's keys and values, and the verify call's logits, must be what each gives
     # alone, bit for bit, whatever their rows add up to.
-    from specdec.runtime import kernels
     forward = _tiny_int4_forward()
-    monkeypatch.setattr(kernels, "_CHOICE", {})
     for layer in forward.linears():
         shape = ("int4", layer.out_features, layer.in_features, "prefill")
-        kernels._CHOICE[(*shape, kernels.bucket(20))] = "dense"
-        kernels._CHOICE[(*shape, kernels.bucket(8))] = "kernel"
+        kernel_state.choices[(*shape, kernel_choices.bucket(20))] = "dense"
+        kernel_state.choices[(*shape, kernel_choices.bucket(8))] = "kernel"
     chunks = {n: [(11 * i + n) % 290 + 5 for i in range(n)] for n in (20, 8, 30)}
 
     def alone_kv(tokens: list[int]) -> torch.Tensor:
@@ -194,8 +188,8 @@ def test_prefill_chunks_sharing_a_forward_each_take_their_own_buckets_path(monke
     assert torch.equal(got, want)
     for n, tokens in chunks.items():
         assert torch.equal(caches[n].buffer[:, :, :, :n], alone_kv(tokens)), n
-    asked = {k[-1] for k in kernels._CHOICE if k[0] == "int4"}
-    assert asked == {kernels.bucket(20), kernels.bucket(8), kernels.bucket(30)}  # never the 58 rows' bucket
+    asked = {k[-1] for k in kernel_state.choices if k[0] == "int4"}
+    assert asked == {kernel_choices.bucket(20), kernel_choices.bucket(8), kernel_choices.bucket(30)}  # never the 58 rows' bucket
 
 
 def test_a_verify_calls_logits_and_keys_are_a_decode_steps_to_the_bit():
@@ -219,34 +213,31 @@ def test_a_verify_calls_logits_and_keys_are_a_decode_steps_to_the_bit():
             assert torch.equal(cache.buffer[:, :, :, :end], steps.buffer[:, :, :, :end]), (prefix, rows)
 
 
-def test_warm_up_can_time_every_prefill_bucket_a_chunk_can_meet(monkeypatch):
+def test_warm_up_can_time_every_prefill_bucket_a_chunk_can_meet(monkeypatch, kernel_state):
     # A request's first prefill of a new size must not pay for timing its paths: warm-up
     # has timed each row bucket a chunk of up to --prefill-chunk rows falls in.
     from types import SimpleNamespace
 
-    from specdec.runtime import kernels
     from specdec.runtime.kv_cache import SequenceCache
     from specdec.service.model_service import time_prefill_buckets
-    monkeypatch.setattr(kernels, "_CHOICE", {})
     forward = _tiny_int4_forward()
     loaded = SimpleNamespace(lean=forward, device=torch.device("cpu"), vocab_size=300,
                              tokenizer=SimpleNamespace(encode=lambda text, add_special_tokens: [5, 6]))
     time_prefill_buckets(loaded, prefill_chunk=20)
     layer = forward.linears()[0]
-    timed = {k[-1] for k in kernels._CHOICE if k[:4] == ("int4", layer.out_features, layer.in_features, "prefill")}
+    timed = {k[-1] for k in kernel_state.choices if k[:4] == ("int4", layer.out_features, layer.in_features, "prefill")}
     assert timed == {2, 3, 4, 5, 6, 7, 8, 16, 32}
-    before = dict(kernels._CHOICE)
+    before = dict(kernel_state.choices)
     SequenceCache(loaded, list(range(3, 17))).prefill()   # 13 rows: a bucket timed already
-    assert kernels._CHOICE == before
+    assert kernel_state.choices == before
 
 
 @pytest.mark.skipif("avx2" not in kernels.cpu_flags(), reason="fbgemm's int8 GEMM runs on AVX2 CPUs")
-def test_rows_of_several_sessions_take_the_batch_kernel_unless_batch_invariant(monkeypatch):
+def test_rows_of_several_sessions_take_the_batch_kernel_unless_batch_invariant(monkeypatch, kernel_state):
     # gate/up offer an int8 kernel beside torch's int4 one. A session alone, and a batch
     # under --batch-invariant, keep the one kernel chosen for every call (int4 here); a
     # batch of two sessions' decode rows takes its bucket's choice (int8 here), whose
     # logits are close to, and not, each session's own bits.
-    monkeypatch.setattr(kernels, "_CHOICE", {})
     config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
     torch.manual_seed(0)
@@ -259,8 +250,8 @@ def test_rows_of_several_sessions_take_the_batch_kernel_unless_batch_invariant(m
     gate_up = forward.layers[0].gate_up
     assert "fbgemm-int8-row" in {b.name for b, _ in gate_up._accelerated()}
     shape = ("int4", gate_up.out_features, gate_up.in_features)
-    kernels._CHOICE[(*shape, 0)] = "torch-int4"
-    kernels._CHOICE[(*shape, "gathered", kernels.bucket(2))] = "fbgemm-int8-row"
+    kernel_state.choices[(*shape, 0)] = "torch-int4"
+    kernel_state.choices[(*shape, "gathered", kernel_choices.bucket(2))] = "fbgemm-int8-row"
     prompts = [list(range(3, 20)), [7 * i % 290 + 5 for i in range(11)]]
 
     def prefilled() -> list:
@@ -279,24 +270,23 @@ def test_rows_of_several_sessions_take_the_batch_kernel_unless_batch_invariant(m
     gathered = batched(False)
     for a, b in zip(alone, gathered):
         assert not torch.equal(a, b) and (a - b).norm() < 0.05 * a.norm()
-    assert any("gathered rows<=2: fbgemm-int8-row" in line for line in kernels.choices())
+    assert any("gathered rows<=2: fbgemm-int8-row" in line for line in kernel_choices.choices())
     again = prefilled()  # one session's rows after the batch: its own bits still
     assert torch.equal(forward(torch.tensor(prompts[0][-1:]), again[0], keep_last=1), alone[0])
 
 
-def test_gathered_attention_runs_on_one_thread_and_gives_the_threads_back(monkeypatch):
+def test_gathered_attention_runs_on_one_thread_and_gives_the_threads_back(monkeypatch, kernel_state):
     # A batch of several sessions' decode rows runs each session's attention on one torch
     # thread (two threads' wake-ups cost more than its few KB of work); a session alone,
     # and every other op, keep the process's threads, also after an attention that failed.
-    monkeypatch.setattr(kernels, "_CHOICE", {})
     forward = _tiny_int4_forward()
     seen: list[int] = []
-    real = lean._bmm_attention
+    real = lean.bmm_attention
 
     def recording(*args):
         seen.append(torch.get_num_threads())
         return real(*args)
-    monkeypatch.setattr(lean, "_bmm_attention", recording)
+    monkeypatch.setattr(lean, "bmm_attention", recording)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -313,7 +303,7 @@ def test_gathered_attention_runs_on_one_thread_and_gives_the_threads_back(monkey
 
         def failing(*args):
             raise RuntimeError("attention failed")
-        monkeypatch.setattr(lean, "_bmm_attention", failing)
+        monkeypatch.setattr(lean, "bmm_attention", failing)
         with pytest.raises(RuntimeError, match="attention failed"):
             forward.batch([(torch.tensor([12]), caches[0], 1), (torch.tensor([13]), caches[1], 1)])
         assert torch.get_num_threads() == 2

@@ -77,13 +77,13 @@ def test_q4_0_is_refused_off_the_cpu_with_a_reason():
 
 
 @pytest.mark.parametrize("layout", ["ggml-graph", "ggml-graph-repacked"])
-def test_on_the_ggml_graph_a_verification_is_its_decode_steps(monkeypatch, layout):
+def test_on_the_ggml_graph_a_verification_is_its_decode_steps(monkeypatch, layout, kernel_state):
     pytest.importorskip("llama_cpp", reason="the ggml graph comes with llama-cpp-python: pip install '.[llama-cpp]'",
                         exc_type=ImportError)
     from specdec.runtime import ggml, ggml_forward
     if layout == "ggml-graph-repacked" and not ggml.repack_usable(ggml.Q4_0):
         pytest.skip("ggml's repacked Q4_0 kernels do not run on this CPU (the services then keep the plain blocks)")
-    monkeypatch.setattr(kernels, "_CHOICE", {(*ggml_forward.KEY, 0): layout})
+    kernel_state.choices.update({(*ggml_forward.KEY, 0): layout})
     loaded = load_model("tiny-draft", quantize="q4_0", head_vocab=100)
     forward, reference = loaded.lean, load_model("tiny-draft", quantize="q4_0", head_vocab=100).lean
     graph = forward._graph()
@@ -97,7 +97,7 @@ def test_on_the_ggml_graph_a_verification_is_its_decode_steps(monkeypatch, layou
     assert torch.equal(rows, one)
     kept = loaded.model.lm_head.keep_ids
     assert torch.isinf(rows).sum() == rows.shape[0] * (rows.shape[1] - kept.numel())
-    monkeypatch.setattr(kernels, "_CHOICE", {(*ggml_forward.KEY, 0): "torch"})
+    kernel_state.choices.update({(*ggml_forward.KEY, 0): "torch"})
     with torch.no_grad():
         want = reference(ids, own, 6)
     assert relative_error(rows[:, kept], want[:, kept]) < 0.05

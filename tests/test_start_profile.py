@@ -6,7 +6,7 @@ import json
 import pytest
 
 import drafter.service
-from specdec.runtime import kernels
+from specdec.runtime import kernel_choices
 from specdec.runtime.quant import int4
 from specdec.runtime.cost_curve import COST_CURVE_ENV, CostCurve
 from specdec.rpc.serving import channel
@@ -38,23 +38,21 @@ def test_a_profile_holds_while_a_decode_step_takes_what_it_did():
     assert start_profile.holds(tiny, 0.9) and not start_profile.holds(tiny, 2.0)   # the floor: noise, not a change
 
 
-def test_restored_choices_prepare_only_the_backends_they_name(monkeypatch):
+def test_restored_choices_prepare_only_the_backends_they_name(monkeypatch, kernel_state):
     # A layer whose restored choices name torch's int4 kernel alone makes no other kernel's
     # weight (nor the int8 codes those would need); with no choices restored, it offers all.
-    monkeypatch.setattr(kernels, "_CHOICE", {})
-    monkeypatch.setattr(kernels, "_NAMED", {})
     layer = _tiny_int4_forward().layers[0].gate_up
     layer.int8_activations = True
     offered = [b.name for b, _ in layer._accelerated()]
     key = ("int4", layer.out_features, layer.in_features)
-    kernels.restore_choices({(*key, 0): "torch-int4", (*key, "gathered", 2): "torch-int4"})
+    kernel_choices.restore_choices({(*key, 0): "torch-int4", (*key, "gathered", 2): "torch-int4"})
     layer.__dict__.pop("_accel")
     codes_made = []
     real = int4.per_row_int8
     monkeypatch.setattr(int4, "per_row_int8", lambda w: codes_made.append(w) or real(w))
     assert layer._accelerated() == [] and codes_made == []
     if offered:   # where a backend installs here: naming it brings it back, and it alone
-        kernels.restore_choices({(*key, 0): offered[-1]})
+        kernel_choices.restore_choices({(*key, 0): offered[-1]})
         layer.__dict__.pop("_accel")
         assert [b.name for b, _ in layer._accelerated()] == [offered[-1]]
 
@@ -65,12 +63,10 @@ def _info(running) -> common_pb2.ModelInfo:
 
 
 def test_a_second_start_serves_on_what_the_first_timed_unless_the_machine_changed(tiny_draft, tmp_path,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch, kernel_state):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     for variable in COST_CURVE_ENV.values():   # a pinned curve is not timed, so not kept
         monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setattr(kernels, "_CHOICE", {})
-    monkeypatch.setattr(kernels, "_NAMED", {})
     timed: list[str] = []
     real_gathered = model_service.time_gathered_buckets
 

@@ -11,7 +11,7 @@ and fbgemm's dynamic GEMM with its int8 activations) do no better. Unpacking the
 matmul runs at the speed of its dtype; with the dense weights kept (`keep`, the services'
 `--prefill-weights dense`), it is the matmul alone. Which is faster depends on the layer's shape, the
 rows and the machine, so it is measured: the first call of each shape and
-power-of-two row count times both (`kernels.pick`) and remembers.
+power-of-two row count times both (`kernel_choices.pick`) and remembers.
 
 A call that keeps logits takes the kernel below MIN_ROWS, kept weight or not.
 The dense weight is the kernel's weight in another rounding, so its logits are not
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.runtime import kernels
+from specdec.runtime import kernel_choices
 
 log = logging.getLogger(__name__)
 MIN_ROWS = 64  # fewer rows in a call that keeps logits: always the kernel (decode and verify calls)
@@ -57,13 +57,13 @@ def timed(rows: int, prefill: bool) -> bool:
 def run(key: tuple, rows: int, few: Callable[[], torch.Tensor], many: Callable[[], torch.Tensor],
         names: tuple[str, str] = ("kernel", "dense"), kept: bool = False, prefill: bool = False) -> torch.Tensor:
     """few() or many(), the same result within roundings; `key` names the layer's shape.
-    The choice is kernels.pick's: timed TRIES times each (a first call pays one-off
+    The choice is kernel_choices.pick's: timed TRIES times each (a first call pays one-off
     costs, such as oneDNN building its kernel for a new shape, that must not decide
     it), per row bucket, and reported with the other kernel choices. A call that
     is not `timed` (fewer than MIN_ROWS rows keeping logits) runs few()."""
     if not timed(rows, prefill):
         return few()
-    return kernels.pick(_key(key, kept), rows, dict(zip(names, (few, many))))
+    return kernel_choices.pick(_key(key, kept), rows, dict(zip(names, (few, many))))
 
 
 def _key(key: tuple, kept: bool) -> tuple:
@@ -103,7 +103,7 @@ def run_rows(key: tuple, x: torch.Tensor, few: Callable[[torch.Tensor], torch.Te
         return few(x)
     if len(calls) == 1:
         return run(key, rows, lambda: few(x), lambda: many(x), kept=kept, prefill=prefill[0])
-    paths = [kernels.chosen(_key(key, kept), n) if timed(n, p) else "kernel" for n, p in zip(calls, prefill)]
+    paths = [kernel_choices.chosen(_key(key, kept), n) if timed(n, p) else "kernel" for n, p in zip(calls, prefill)]
     if all(path == "kernel" for path in paths):
         return few(x)
     offsets = [0]

@@ -30,7 +30,7 @@ import math
 import torch
 from torch import nn
 
-from specdec.runtime import dense_rows, ggml, kernels
+from specdec.runtime import dense_rows, ggml, kernel_choices, kernels
 
 log = logging.getLogger(__name__)
 F32, I32 = 0, 26      # ggml types
@@ -407,7 +407,7 @@ def choose(lean) -> GraphForward | None:
     """The graph for `lean`'s decode and verify calls where it runs here, passes `check` and
     times faster than the torch forward on a call of kernels' choice rows (`choose_at`);
     else None, said in the log. One choice for the process: they round differently."""
-    if kernels.chosen(KEY, 0) == NAMES[0]:
+    if kernel_choices.chosen(KEY, 0) == NAMES[0]:
         return None     # pinned to torch
     try:
         GraphForward(lean)  # what the graph covers, before ggml is loaded and probed (a second of a start)
@@ -417,14 +417,14 @@ def choose(lean) -> GraphForward | None:
     if not kernels.usable("gguf-blocks", per_row=True):
         return None     # no ggml here (the kernel registry said why, once)
     graphs = _candidates(lean)
-    pinned = kernels.chosen(KEY, 0)     # a pin for every model (tests, scripts)
+    pinned = kernel_choices.chosen(KEY, 0)     # a pin for every model (tests, scripts)
     if pinned in graphs:
         return graphs[pinned]
     if not graphs:
         return None
     # Chosen per model shape: a script may hold a target and a draft, whose best paths differ.
     key = (*KEY, f"{len(lean.layers)}x{lean.embed.weight.shape[1]}")
-    rows = kernels.choice_rows()
+    rows = kernel_choices.choice_rows()
     ids = (torch.arange(rows) * 101 + 7) % lean.embed.weight.shape[0]
     names = [NAMES[0], *graphs]
     caches = {name: lean.new_cache() for name in names}
@@ -437,7 +437,7 @@ def choose(lean) -> GraphForward | None:
         if name == NAMES[0]:
             return lean._batch([(ids, cache, rows)])[0]
         return run_items(graphs[name], [(ids, cache, rows)])[0]
-    kernels.pick(key, rows, {name: (lambda name=name: step(name)) for name in names}, per_layer=True)
-    chosen = kernels.chosen(key, 0)
+    kernel_choices.pick(key, rows, {name: (lambda name=name: step(name)) for name in names}, per_layer=True)
+    chosen = kernel_choices.chosen(key, 0)
     log.info("decode and verify calls: %s (timed on %d rows)", chosen, rows)
     return graphs.get(chosen)   # the others' buffers are freed with them

@@ -4,10 +4,8 @@ A layer offers every kernel that can compute it from the weight it holds:
 torch's own always, and the accelerated backends registered here for its weight
 format, where their package installs and their result matches torch's on the
 layer (a backend that does not import, or fails its check, is skipped with a
-log line, never an error). `pick` times each one on the first calls of a layer
-shape and row bucket, in the forward itself (the weights as cold or warm as
-serving finds them), and runs the fastest from then on; `choices()` is what it
-chose, for the log and the service's Info. Which kernel wins depends on the CPU
+log line, never an error). Which of them runs a call is kernel_choices' (timed
+in the forward itself, per layer shape and row bucket). Which kernel wins depends on the CPU
 (AVX2, AVX-512 VNNI, AMX), the shape and the rows: benchmarks/kernel_bench.py
 measures them side by side.
 """
@@ -20,20 +18,15 @@ import math
 import threading
 import time
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
+from specdec.runtime import kernel_choices
+from specdec.runtime.kernel_choices import wanted
+
 log = logging.getLogger(__name__)
-TRIES = 3               # timed calls of each kernel before a bucket's choice; the fastest call counts
-# A kernel that took this many times the fastest one's time is not timed again for the bucket.
-# A first call's one-off costs (oneDNN building its kernel) rarely reach it, and timing a
-# path that slow three times is what a service's start (model_service.time_prefill_buckets),
-# or else a bucket's first request, pays: on an AVX2 CPU emulated bf16 matmuls are 4x its
-# int8 kernels.
-HOPELESS = 3.0
 CHECK_TOLERANCE = 0.03  # a backend's output within this relative error of torch's on the layer, or it is skipped
 
 
@@ -70,10 +63,10 @@ WEIGHT_FORMATS = {
     "gguf-blocks": "a GGUF tensor's own bytes, uint8 [N, bytes per row], their ggml type (an int) and K",
 }
 BACKENDS: list[Backend] = []
-_usable: dict[str, bool] = {}
+# Whether each registered backend imports and runs here (keyed by the backend: one
+# registered again, say by a test, is asked again).
+_usable: dict[Backend, bool] = {}
 _lock = threading.Lock()
-_CHOICE: dict[tuple, str] = {}   # (*layer key, row bucket) -> the kernel chosen
-_FAILED: set[tuple] = set()      # (backend, out, in): failed its check on a layer of that shape
 
 
 def register(backend: Backend) -> Backend:
@@ -104,10 +97,10 @@ def usable(weight_format: str, per_row: bool = False, activation_bits: int = 0) 
                 or backend.activation_bits < activation_bits:
             continue
         with _lock:
-            if backend.name not in _usable:
+            if backend not in _usable:
                 missing = [flag for flag in backend.cpu_flags if flag not in cpu_flags()]
                 if missing:
-                    _usable[backend.name] = False
+                    _usable[backend] = False
                     log.info("kernel backend %s skipped: this CPU lacks %s, which its kernels need", backend.name,
                              ", ".join(missing))
                     continue
@@ -115,13 +108,13 @@ def usable(weight_format: str, per_row: bool = False, activation_bits: int = 0) 
                     importlib.import_module(backend.module)
                     if backend.selftest is not None:
                         backend.selftest()
-                    _usable[backend.name] = True
+                    _usable[backend] = True
                     log.info("kernel backend %s is available (%s)", backend.name, backend.module)
                 except Exception as exc:  # not installed, or built for another torch or CPU
-                    _usable[backend.name] = False
+                    _usable[backend] = False
                     log.info("kernel backend %s skipped: %s does not import or run here (%s: %s)", backend.name,
                              backend.module, type(exc).__name__, str(exc).splitlines()[0][:120] if str(exc) else "")
-        if _usable[backend.name]:
+        if _usable[backend]:
             out.append(backend)
     return out
 
@@ -148,9 +141,10 @@ def checked(backend: Backend, weight: tuple, reference: Callable[[torch.Tensor],
     # (zentorch 2.13's int8 x int8 GEMM is off by several times the output from an inner size of
     # 4,096 on an AVX-512 EPYC, and exact below it), so the layers it computes rightly keep it.
     shape = (backend.name, out_features, in_features)
+    failed = kernel_choices.state().failed
     with _lock:
-        said = shape in _FAILED
-        _FAILED.add(shape)
+        said = shape in failed
+        failed.add(shape)
     if not said:
         log.warning("kernel backend %s skipped for %d x %d layers: it failed its check (%s)", backend.name,
                     out_features, in_features, reason)
@@ -177,163 +171,6 @@ def prepared(weight_format: str, weight: tuple | Callable[[], tuple], reference:
             out.append((backend, state))
             states[backend.name] = state
     return out
-
-
-def bucket(rows: int) -> int:
-    """Rows alike enough to share a choice: each count up to 8 (kernels take rows
-    in passes of 4 or so), then powers of two."""
-    return rows if rows <= 8 else 1 << (rows - 1).bit_length()
-
-
-def chosen(key: tuple, rows: int) -> str | None:
-    """The kernel `pick` chose for (key, rows) (not per layer), or None before it has."""
-    return _CHOICE.get((*key, bucket(rows)))
-
-
-def pick(key: tuple, rows: int, kernels: dict[str, Callable[[], torch.Tensor]],
-         per_layer: bool = False) -> torch.Tensor:
-    """kernels[name]() for the kernel chosen for (key, rows); the first calls of a
-    bucket time each kernel TRIES times and choose. The first kernel is the
-    layer's own (torch's): an accelerated one that raises is dropped for the
-    bucket, with a line, and the call goes on without it. One kernel: it runs.
-
-    per_layer: one choice for every row count (made on the first call), for a
-    layer whose kernels round differently: a verification's rows must get what
-    one decode step at a time would, so the kernel may not change with the rows,
-    nor with what else shares a batched forward's kernel call (decode rows of many
-    sessions gathered with prefill chunks reach 64 rows and more).
-    `pick_per_layer` times that first choice on a decode-sized call."""
-    default = next(iter(kernels))
-    if len(kernels) == 1:
-        return kernels[default]()
-    choice_key = (*key, 0 if per_layer else bucket(rows))
-    name = _CHOICE.get(choice_key)
-    if name in kernels:
-        if name == default:
-            return kernels[name]()
-        try:
-            return kernels[name]()
-        except Exception as exc:
-            log.warning("kernel %s failed on %s (%s: %s); the layer's own kernel runs there from now on", name,
-                        choice_key, type(exc).__name__, str(exc).splitlines()[0][:120] if str(exc) else "")
-            _CHOICE[choice_key] = default
-            return kernels[default]()
-    best: dict[str, float] = {}
-    outputs: dict[str, torch.Tensor] = {}
-    failed: set[str] = set()
-    for _ in range(TRIES):
-        for kernel, call in kernels.items():
-            if kernel in failed or (kernel in best and best[kernel] > HOPELESS * min(best.values())):
-                continue
-            started = time.perf_counter()
-            try:
-                outputs[kernel] = call()
-            except Exception as exc:
-                if kernel == default:
-                    raise
-                failed.add(kernel)
-                best.pop(kernel, None)
-                log.warning("kernel %s failed on %s, %d rows (%s: %s); left out there", kernel, key, rows,
-                            type(exc).__name__, str(exc).splitlines()[0][:120] if str(exc) else "")
-                continue
-            best[kernel] = min(best.get(kernel, math.inf), time.perf_counter() - started)
-    name = min(best, key=best.get)
-    _CHOICE[choice_key] = name
-    log.debug("%s, %d rows: %s (%s)", key, rows, name, ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in best.items()))
-    return outputs[name]
-
-
-# The rows a per-layer choice is timed at (`choose_at`, the services' --kernel-rows): one, a
-# decode step's call, by default; a service that batches many sessions (8 clients: forwards of
-# 8 rows or more) is served better by a choice timed at its usual batch.
-_CHOICE_ROWS = [1]
-
-
-def choose_at(rows: int) -> None:
-    """Time every per-layer choice made from now on at `rows` rows (at least 1)."""
-    if rows < 1:
-        raise ValueError(f"--kernel-rows must be at least 1, not {rows}")
-    _CHOICE_ROWS[0] = rows
-
-
-def choice_rows() -> int:
-    """The rows per-layer choices are timed at (`choose_at`)."""
-    return _CHOICE_ROWS[0]
-
-
-_GATHERED: list[bool] = []   # the forward running now (torch thread) gathers rows of several sessions
-
-
-@contextmanager
-def gathered() -> Iterator[None]:
-    """Within: the rows of a layer's call come from several sessions' decode and verify
-    calls (a batched forward under load, not --batch-invariant). Their bits need not be
-    what each session alone would get, so `pick_per_layer` takes the kernel timed fastest
-    for the call's row bucket among all the layer offers, as vLLM and SGLang batch by
-    default: rows of other sessions may move a session's rounding at near-ties."""
-    _GATHERED.append(True)
-    try:
-        yield
-    finally:
-        _GATHERED.pop()
-
-
-def pick_per_layer(key: tuple, x: torch.Tensor, own_name: str, own: Callable[[torch.Tensor], torch.Tensor],
-                   accel: list[tuple[Backend, object]]) -> torch.Tensor:
-    """own(x), or one of the per-row kernels `accel` ([(backend, its weight)]) for a layer
-    whose rows must come out the same in any call: one choice for every call
-    (`pick(..., per_layer=True)`), made on the first and timed at `choose_at`'s rows
-    (one by default, a decode step's call: the one a request makes most), whatever rows
-    that first call has (a 200-token prompt's prefill chunk, or a warm-up's few rows,
-    would otherwise decide: on the AVX2 EPYC they chose kernels that decode 1.5x
-    slower); the output in x's dtype."""
-    if not accel:
-        return own(x)
-
-    def calls(x: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
-        return {own_name: lambda: own(x), **{b.name: (lambda b=b, s=s: b.run(s, x).to(x.dtype)) for b, s in accel}}
-    rows, timed_rows = x.shape[0], _CHOICE_ROWS[0]
-    if _GATHERED:   # several sessions' rows: the fastest kernel for this bucket (`gathered`)
-        return pick((*key, "gathered"), rows, calls(x))
-    if rows != timed_rows and (*key, 0) not in _CHOICE:
-        probe = x[torch.arange(timed_rows) % rows]      # the first call's rows, as many as the choice is timed at
-        pick(key, timed_rows, calls(probe), per_layer=True)
-    return pick(key, rows, calls(x), per_layer=True)
-
-
-def saved_choices() -> dict[tuple, str]:
-    """Every choice made so far, to be restored at a later start (`restore_choices`)."""
-    return dict(_CHOICE)
-
-
-def restore_choices(choices: dict[tuple, str]) -> None:
-    """Start from these choices (a start profile's), or from none: `pick` times only
-    what they do not hold, and a kernel they name that this process lacks is timed
-    against the others again. A layer whose choices they hold prepares only the
-    backends they name (`wanted`): a layer's other kernels' weights (an int8 copy of
-    an int4 weight, 0.3 s a gate/up layer of the 1.5B) are not made at all."""
-    _CHOICE.clear()
-    _CHOICE.update(choices)
-    _NAMED.clear()
-    for choice_key, name in choices.items():
-        _NAMED.setdefault(tuple(choice_key[:3]), set()).add(name)
-
-
-_NAMED: dict[tuple, set[str]] = {}   # after restore_choices: a layer key -> the kernels its choices name
-
-
-def wanted(key: tuple, backend: str) -> bool:
-    """Whether a layer of `key` ((kind, out, in)) should prepare `backend`: unless
-    restored choices cover the layer and none names the backend."""
-    named = _NAMED.get(tuple(key[:3]))
-    return named is None or backend in named
-
-
-def choices() -> list[str]:
-    """What `pick` chose so far, one line per layer shape and row bucket."""
-    return [f"{' '.join(str(k) for k in key[:-1])} {f'rows<={key[-1]}' if key[-1] else 'every call'}: {name}"
-            for key, name in sorted(
-        _CHOICE.items(), key=lambda item: (tuple(str(k) for k in item[0][:-1]), item[0][-1]))]
 
 
 # --- the accelerated backends ---------------------------------------------------------

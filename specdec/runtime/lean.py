@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.runtime import dense_rows, ggml_forward, kernels
+from specdec.runtime import dense_rows, ggml_forward, kernel_choices
 from specdec.runtime.quant.base import fuse
 from specdec.runtime.kv_pool import KVPool
 
@@ -132,10 +132,10 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     heads, rows, dim = q.shape
     kv_heads, length, _ = k.shape
     if mask is None:
-        return _bmm_attention(q, k, v, mask)
+        return bmm_attention(q, k, v, mask)
     if q.device.type != "cpu":  # kernels run asynchronously there: host timing would not tell
         return _sdpa_attention(q, k, v, mask)
-    return dense_rows.run(("attention", heads, kv_heads, dim), rows, lambda: _bmm_attention(q, k, v, mask),
+    return dense_rows.run(("attention", heads, kv_heads, dim), rows, lambda: bmm_attention(q, k, v, mask),
                           lambda: _sdpa_attention(q, k, v, mask), names=("bmm", "sdpa"))
 
 
@@ -147,7 +147,7 @@ def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return out[0].to(q.dtype)
 
 
-def _bmm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def bmm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     heads, rows, dim = q.shape
     kv_heads, length, _ = k.shape
     scores = torch.bmm(q.reshape(kv_heads, heads // kv_heads * rows, dim).to(k.dtype), k.transpose(1, 2))
@@ -169,7 +169,7 @@ def _attention_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     target-only's on 2 of 4 short prompts. Row by row, a verification's logits
     are a decode step's, bit for bit, for T small calls instead of one."""
     rows = q.shape[1]
-    return torch.cat([_bmm_attention(q[:, r:r + 1], k[:, :start + r + 1], v[:, :start + r + 1], None)
+    return torch.cat([bmm_attention(q[:, r:r + 1], k[:, :start + r + 1], v[:, :start + r + 1], None)
                       for r in range(rows)], dim=1)
 
 
@@ -343,13 +343,13 @@ class LeanForward:
                   graph: "ggml_forward.GraphForward | None", lengths: list[int]) -> list[torch.Tensor]:
         """Several sessions' decode and verify calls (and any prefill chunks beside them) in
         one forward, on the path timed fastest for the forward's row bucket: torch's ops with
-        each layer on the kernel fastest for the rows (`kernels.gathered`: kernels that share
+        each layer on the kernel fastest for the rows (`kernel_choices.gathered`: kernels that share
         a weight's de-quantization among rows, torch's int4 four rows a pass, where the
         graph's GEMVs, which a session's exact bits need, pay it again for every row), or the
         exact path itself, which a few rows may still favour. Timing a path runs the forward again
         from the same cache lengths, over the same keys and values."""
         def torch_path() -> list[torch.Tensor]:
-            with kernels.gathered():
+            with kernel_choices.gathered():
                 return self._batch(items, attention_threads=1)
         if graph is None:
             return torch_path()
@@ -362,10 +362,10 @@ class LeanForward:
             return call
         key = ("forward", "gathered", f"{len(self.layers)}x{self.embed.weight.shape[1]}")
         rows = sum(ids.shape[0] for ids, _, _ in items)
-        if kernels.chosen(key, rows) is None:
+        if kernel_choices.chosen(key, rows) is None:
             # Its layers choose their kernels first, so timing the path times them, not their choice.
             again(torch_path)()
-        return kernels.pick(key, rows, {"torch": again(torch_path), "exact": again(lambda: self._exact(items, graph))})
+        return kernel_choices.pick(key, rows, {"torch": again(torch_path), "exact": again(lambda: self._exact(items, graph))})
 
     def _graph(self) -> "ggml_forward.GraphForward | None":
         """The ggml graph that runs decode and verify calls, where it was chosen (on the first call)."""

@@ -10,7 +10,7 @@ from typing import Callable, Generic, Iterator, Protocol, TypeVar
 import psutil
 import torch
 
-from specdec.runtime import dense_rows, kernels, torch_thread
+from specdec.runtime import dense_rows, kernel_choices, torch_thread
 from specdec.runtime.batching import CallStats, Scheduler, lean_batch_forward
 from specdec.rpc.errors import InvalidArgument
 from specdec.runtime.cost_curve import CostCurve, LiveCurve, RowCost, gathered_cost, pinned_curve
@@ -105,7 +105,7 @@ class ModelServiceBase(Generic[S]):
             pending_calls=self.scheduler.pending_calls,
             kv_tokens_used=self.pool.used_tokens if self.pool else 0,
             kv_tokens_budget=self.pool.budget_tokens if self.pool else 0, session_ttl_s=self.sessions.ttl_s,
-            kernel_choices=kernels.choices(), sessions_ended_by_lease=self.sessions.ended_by_lease,
+            kernel_choices=kernel_choices.choices(), sessions_ended_by_lease=self.sessions.ended_by_lease,
             sessions_reaped_idle=self.sessions.reaped_idle, **self._prefix_info())
 
     def _prefix_info(self) -> dict[str, int]:
@@ -233,14 +233,14 @@ def warm_up(loaded: LoadedModel) -> None:
 
 
 def time_prefill_buckets(loaded: LoadedModel, prefill_chunk: int = PREFILL_CHUNK) -> None:
-    """Prefill one chunk of each row bucket a chunk can fall in, so kernels.pick has
+    """Prefill one chunk of each row bucket a chunk can fall in, so kernel_choices.pick has
     timed its paths before any request meets it (otherwise the request that does
     pays: the first 228-token prompt on an AVX2 EPYC waited 10.3 s for its first
     token where the next waited 5.9)."""
     if loaded.device.type != "cpu":  # the timed paths are the CPU's
         return
     filler = [(7 * i + 3) % loaded.vocab_size for i in range(prefill_chunk + 1)]
-    for rows in sorted({min(kernels.bucket(n), prefill_chunk)
+    for rows in sorted({min(kernel_choices.bucket(n), prefill_chunk)
                         for n in range(dense_rows.MIN_PREFILL_ROWS, prefill_chunk + 1)}):
         drive(SequenceCache(loaded, filler[:rows + 1]).prefill_steps(chunk=rows))  # one chunk of `rows`
 
@@ -260,7 +260,7 @@ def time_gathered_buckets(loaded: LoadedModel, max_sessions: int) -> dict[int, f
     started = time.perf_counter()
     prompt = [(5 * i + 1) % loaded.vocab_size for i in range(16)]
     costs = {}
-    for sessions in sorted({kernels.bucket(n) for n in range(2, min(GATHERED_ROWS, max_sessions) + 1)}):
+    for sessions in sorted({kernel_choices.bucket(n) for n in range(2, min(GATHERED_ROWS, max_sessions) + 1)}):
         seqs = [SequenceCache(loaded, prompt) for _ in range(sessions)]
         for seq in seqs:
             seq.prefill()
@@ -331,7 +331,7 @@ def warm_and_time(loaded: LoadedModel, service_name: str, key: dict | None, cost
     with the prefill and gathered row buckets' kernel choices."""
     profile = start_profile.load(key) if key is not None else None
     if profile is not None:
-        kernels.restore_choices(profile.choices)
+        kernel_choices.restore_choices(profile.choices)
     torch_thread.run(warm_up, loaded)
     if profile is not None:
         decode_ms = torch_thread.run(measure_cost_curve, loaded, 1, prefills=0).forward_ms[0]
@@ -342,7 +342,7 @@ def warm_and_time(loaded: LoadedModel, service_name: str, key: dict | None, cost
             return profile.curve, profile.gathered
         log.info("%s: a decode step now takes %.1f ms, %.1f ms when %s was saved: timing again",
                  service_name, decode_ms, profile.curve.forward_ms[0], saved)
-        kernels.restore_choices({})
+        kernel_choices.restore_choices({})
         torch_thread.run(forget_prepared, loaded)
     torch_thread.run(time_prefill_buckets, loaded, prefill_chunk)
     gathered = torch_thread.run(time_gathered_buckets, loaded, max_sessions)
@@ -351,7 +351,7 @@ def warm_and_time(loaded: LoadedModel, service_name: str, key: dict | None, cost
 
 def forget_prepared(loaded: LoadedModel) -> None:
     """Drop the accelerated kernels' weights the layers made for restored choices
-    (`kernels.wanted`): the next call prepares every backend, to be timed again."""
+    (`kernel_choices.wanted`): the next call prepares every backend, to be timed again."""
     roots = loaded.lean.linears() if loaded.lean else [loaded.model]
     for root in roots:
         for module in root.modules():
@@ -387,7 +387,7 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
     prefill paths of every chunk's row bucket; with `start_profile_setting` "on", what an earlier
     start timed under the same key where it still holds, start_profile's)."""
     refuse_if_exposed(service_name, host, tls, uds, auth_token)
-    kernels.choose_at(kernel_rows)
+    kernel_choices.choose_at(kernel_rows)
     if loaded.lean is not None:
         loaded.lean.batch_invariant = batch_invariant
     if prefill_chunk < 1 or max_batch_rows < 1:
@@ -419,14 +419,14 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
                                                  prefill_chunk, max_sessions)
         if kept:
             def save_profile() -> None:  # at start, and at a clean stop with the choices made while serving
-                start_profile.save(start_profile.StartProfile(servicer.curve, gathered, kernels.saved_choices()),
+                start_profile.save(start_profile.StartProfile(servicer.curve, gathered, kernel_choices.saved_choices()),
                                    key)
             save_profile()
             running.on_stop = lambda: (store.close(), save_profile())
     log.info("%s: forward ms by rows (1..%d): %s; prefill %.2f ms a token%s", service_name,
              len(servicer.curve.forward_ms), ", ".join(f"{ms:.1f}" for ms in servicer.curve.forward_ms),
              servicer.curve.prefill_ms_per_token, " (pinned, not measured)" if pinned else "")
-    if choices := kernels.choices():
+    if choices := kernel_choices.choices():
         log.info("%s: kernels chosen by timing: %s", service_name, "; ".join(choices))
     if servicer.curve.forward_ms:  # batches sized on the measured curve
         scheduler.cost = RowCost(servicer.curve.forward_ms)

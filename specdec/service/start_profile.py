@@ -1,6 +1,6 @@
 """What a model service measures at start, kept per machine and model and reused.
 
-Before it serves, a model service times its kernels (`kernels.pick`'s choice for
+Before it serves, a model service times its kernels (`kernel_choices.pick`'s choice for
 every layer shape and row bucket), its cost curve (a forward's ms by rows, and a
 prefill's per token) and what batches of several sessions cost. That is most of a
 start: about 50 of the 65 s the default pair's 1.5B verifier took on a 2-core
@@ -31,7 +31,7 @@ from importlib import metadata
 
 import torch
 
-from specdec.runtime import kernels
+from specdec.runtime import kernel_choices, kernels
 from specdec.runtime.cost_curve import CostCurve
 from specdec.weights import registry
 
@@ -81,7 +81,7 @@ def path_for(key: dict[str, object], root: pathlib.Path | None = None) -> pathli
 class StartProfile:
     curve: CostCurve
     gathered: dict[int, float] = field(default_factory=dict)   # {sessions' rows: ms}, model_service's
-    choices: dict[tuple, str] = field(default_factory=dict)     # kernels.pick's, as kernels._CHOICE holds them
+    choices: dict[tuple, str] = field(default_factory=dict)     # kernel_choices.pick's, as a KernelState holds them
 
     def to_json(self, key: dict[str, object]) -> str:
         return json.dumps({

@@ -21,7 +21,7 @@ from torch import nn
 
 import logging
 
-from specdec.runtime import dense_rows, kernels
+from specdec.runtime import dense_rows, kernel_choices, kernels
 from specdec.runtime.quant.base import Quantization, QuantizeContext, register
 from specdec.runtime.quant.int8 import Int8WeightOnlyLinear, per_row_int8
 
@@ -251,7 +251,7 @@ class Int4Linear(nn.Module):
         return {k: v for k, v in self.__dict__.items() if k not in ("_accel", "_kept_dense")}
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.pick_per_layer(("int4", self.out_features, self.in_features), x, "torch-int4", self._int4,
+        return kernel_choices.pick_per_layer(("int4", self.out_features, self.in_features), x, "torch-int4", self._int4,
                                       self._accelerated())
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ import warnings
 import torch
 from torch import nn
 
-from specdec.runtime import dense_rows, kernels
+from specdec.runtime import dense_rows, kernel_choices, kernels
 from specdec.weights import vocab_rank
 from specdec.rpc.errors import FailedPrecondition
 from specdec.runtime.quant.base import Quantization, register
@@ -176,13 +176,13 @@ class Int8Linear(nn.Module):
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
         """Every row as it would come out alone, on one kernel for every call (`pick_per_layer`):
         a seeded sample's drafts do not depend on which sessions share its forwards. Batches
-        of several sessions may take another (`kernels.gathered`), unless --batch-invariant."""
+        of several sessions may take another (`kernel_choices.gathered`), unless --batch-invariant."""
         accel = self._accelerated()
         bias = self.__dict__.get("_bias")      # the accelerated kernels compute without it
         if bias is not None:
             accel = [(dataclasses.replace(b, run=lambda state, x, run=b.run: run(state, x) + bias), s)
                      for b, s in accel]
-        return kernels.pick_per_layer(("int8-dynamic", self.out_features, self.in_features), flat, "fbgemm-int8",
+        return kernel_choices.pick_per_layer(("int8-dynamic", self.out_features, self.in_features), flat, "fbgemm-int8",
                                       self._by_row, accel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -265,7 +265,7 @@ class Int8WeightOnlyLinear(nn.Module):
         return dense_rows.linear(flat, dense_rows.weight(self, self.dense_weight))
 
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
-        return kernels.pick_per_layer(("int8-wo", self.out_features, self.in_features), flat, "torch-int8-wo",
+        return kernel_choices.pick_per_layer(("int8-wo", self.out_features, self.in_features), flat, "torch-int8-wo",
                                       self._weight_only, self._accelerated())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
