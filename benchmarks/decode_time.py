@@ -37,7 +37,7 @@ from specdec.runtime import torch_thread  # noqa: E402
 torch_thread.spin_briefly()  # before torch loads: as the model services
 
 from specdec.rpc.serving import channel  # noqa: E402
-from specdec.runtime.kv_cache import SequenceCache, run_steps  # noqa: E402
+from specdec.runtime.sequence import SequenceCache, run_steps  # noqa: E402
 from specdec.runtime.models import load_model  # noqa: E402
 from specdec.service.model_service import new_scheduler  # noqa: E402
 from specdec.spec.sampling import SamplingConfig  # noqa: E402

@@ -27,7 +27,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 import torch  # noqa: E402
 
 from specdec.runtime import torch_thread  # noqa: E402
-from specdec.runtime.kv_cache import SequenceCache, drive  # noqa: E402
+from specdec.runtime.sequence import SequenceCache, drive  # noqa: E402
 from specdec.runtime.models import load_model  # noqa: E402
 from specdec.spec.sampling import SamplingConfig  # noqa: E402
 from specdec.spec.transform import scores_to_probs, transform_logits  # noqa: E402

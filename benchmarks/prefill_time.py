@@ -19,7 +19,7 @@ import time
 import torch
 
 from specdec.runtime import dense_rows
-from specdec.runtime.kv_cache import SequenceCache
+from specdec.runtime.sequence import SequenceCache
 from specdec.runtime.models import load_model
 from specdec.weights.pairs import PAIRS
 

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from specdec.runtime.kv_cache import SequenceCache
+from specdec.runtime.sequence import SequenceCache
 from specdec.runtime import torch_thread
 from specdec.runtime.models import load_model
 

@@ -19,7 +19,7 @@ import time
 
 
 from specdec.runtime import torch_thread
-from specdec.runtime.kv_cache import SequenceCache
+from specdec.runtime.sequence import SequenceCache
 from specdec.runtime.models import load_model
 from specdec.weights import vocab_rank
 from specdec.weights.pairs import PAIRS

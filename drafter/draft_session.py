@@ -6,7 +6,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from specdec.rpc.errors import FailedPrecondition, InvalidArgument
-from specdec.runtime.kv_cache import SequenceCache, Steps, drive
+from specdec.runtime.sequence import SequenceCache, Steps, drive
 from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.models import LoadedModel
 from specdec.spec.proposer import Commit

@@ -12,7 +12,7 @@ from specdec.runtime import torch_thread
 from specdec.runtime.batching import Scheduler, lean_batch_forward
 from specdec.runtime.cost_curve import RowCost, gathered_cost
 from specdec.rpc.errors import ResourceExhausted
-from specdec.runtime.kv_cache import Forward, SequenceCache
+from specdec.runtime.sequence import Forward, SequenceCache
 from specdec.runtime.kv_pool import KVPool
 from specdec.spec.sampling import SamplingConfig
 from verifier.target_session import TargetSession

@@ -7,26 +7,26 @@ import gc
 import pytest
 import torch
 
-from specdec.runtime import lean
+from specdec.runtime import kv_cache, lean
 from specdec.rpc.errors import ResourceExhausted
-from specdec.runtime.kv_cache import SequenceCache
+from specdec.runtime.sequence import SequenceCache
 from specdec.runtime.kv_pool import KVPool
 
 
 def test_caches_take_pages_from_the_pool_and_give_them_back(tiny_target):
-    pool = KVPool(budget_tokens=3 * lean.CHUNK, token_bytes=tiny_target.lean.token_bytes())
+    pool = KVPool(budget_tokens=3 * kv_cache.CHUNK, token_bytes=tiny_target.lean.token_bytes())
     first = SequenceCache(tiny_target, list(range(3, 300)), pool)      # 297 tokens: 2 pages
     first.prefill()
-    assert pool.used_tokens == 2 * lean.CHUNK and pool.holders == 1
+    assert pool.used_tokens == 2 * kv_cache.CHUNK and pool.holders == 1
     second = SequenceCache(tiny_target, list(range(3, 200)), pool)
     with pytest.raises(ResourceExhausted, match="KV cache pool is full"):
         second.forward([], keep_last=1)                                # 1 page left, its 197 fit...
         second.forward(list(range(100)), keep_last=1)                  # ...297 do not
     del first
     gc.collect()
-    assert pool.used_tokens <= lean.CHUNK and pool.holders == 1       # the first one's pages came back
+    assert pool.used_tokens <= kv_cache.CHUNK and pool.holders == 1       # the first one's pages came back
     second.forward(list(range(100)), keep_last=1)
-    assert pool.used_tokens == 2 * lean.CHUNK
+    assert pool.used_tokens == 2 * kv_cache.CHUNK
 
 
 class Holder:
@@ -46,6 +46,6 @@ def test_growth_takes_what_is_free_when_doubling_would_not_fit():
 
 def test_a_pooled_cache_computes_what_an_unpooled_one_does(tiny_target):
     ids = list(range(7, 40))
-    pooled = SequenceCache(tiny_target, ids, KVPool(4 * lean.CHUNK, tiny_target.lean.token_bytes()))
+    pooled = SequenceCache(tiny_target, ids, KVPool(4 * kv_cache.CHUNK, tiny_target.lean.token_bytes()))
     plain = SequenceCache(tiny_target, ids)
     assert torch.equal(pooled.forward([1], keep_last=1), plain.forward([1], keep_last=1))

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specdec.runtime import dense_rows, kernel_choices, kernels, lean
+from specdec.runtime import dense_rows, kernel_choices, kernels, kv_cache, lean
 from specdec.runtime.quant.int4 import GROUP, Int4Linear
-from specdec.runtime.kv_cache import SequenceCache
+from specdec.runtime.sequence import SequenceCache
 from specdec.runtime.models import load_model
 
 
@@ -55,11 +55,11 @@ def test_a_prefills_many_rows_give_transformers_logits_on_either_attention_path(
 
 def test_the_cache_grows_past_its_chunk_and_keeps_what_it_held(tiny_target):
     forward = tiny_target.lean
-    tokens = [(i * 37) % 500 + 3 for i in range(lean.CHUNK + 40)]
+    tokens = [(i * 37) % 500 + 3 for i in range(kv_cache.CHUNK + 40)]
     cache = forward.new_cache()
     for start in range(0, len(tokens) - 1, 50):                              # grows several times
         forward(torch.tensor(tokens[start:min(start + 50, len(tokens) - 1)]), cache, keep_last=1)
-    assert cache.buffer.shape[3] >= len(tokens) - 1 and cache.buffer.shape[3] % lean.CHUNK == 0
+    assert cache.buffer.shape[3] >= len(tokens) - 1 and cache.buffer.shape[3] % kv_cache.CHUNK == 0
     got = forward(torch.tensor(tokens[-1:]), cache, keep_last=1)[0]
     assert torch.allclose(got, hf_logits(tiny_target.model, tokens)[-1], atol=1e-4)
 
@@ -218,7 +218,7 @@ def test_warm_up_can_time_every_prefill_bucket_a_chunk_can_meet(monkeypatch, ker
     # has timed each row bucket a chunk of up to --prefill-chunk rows falls in.
     from types import SimpleNamespace
 
-    from specdec.runtime.kv_cache import SequenceCache
+    from specdec.runtime.sequence import SequenceCache
     from specdec.service.model_service import time_prefill_buckets
     forward = _tiny_int4_forward()
     loaded = SimpleNamespace(lean=forward, device=torch.device("cpu"), vocab_size=300,

@@ -28,8 +28,10 @@ def test_load_from_1_to_32_clients_has_no_errors_and_no_leak(tmp_path):
         assert lv["ok"] == 48 and lv["errors"] == {} and lv["refused"] == 0
         assert 0 < lv["latency_p50_s"] <= lv["latency_p99_s"] <= lv["latency_max_s"]
         assert lv["output_tokens"] == 48 * 24  # fixed length
-    # Concurrency queues work: 32 clients wait longer than one does.
-    assert report["levels"][2]["latency_p50_s"] > report["levels"][0]["latency_p50_s"]
+    # The clients were served together, not one after another: at 32 the verifier's forwards
+    # carried several sessions' rows on average (alone, a request's own rows).
+    rows = [lv["stats"]["verify_batch_rows"] / lv["ok"] for lv in report["levels"]]
+    assert rows[2] >= 2 * rows[0], rows
     before, after = report["rss_mib"]["before"], report["rss_mib"]["after"]
     assert set(before) == {"drafter", "verifier", "coordinator"} and not report["exited_early"]
     for name in before:

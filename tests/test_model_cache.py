@@ -7,7 +7,7 @@ import torch
 from specdec.runtime import model_cache
 
 from specdec.weights import tiny
-from specdec.runtime.kv_cache import SequenceCache
+from specdec.runtime.sequence import SequenceCache
 from specdec.runtime.models import load_model
 
 

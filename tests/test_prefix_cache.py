@@ -16,8 +16,8 @@ import torch
 import drafter.service
 import verifier.service
 from specdec.rpc.errors import ResourceExhausted
-from specdec.runtime import lean
-from specdec.runtime.kv_cache import SequenceCache
+from specdec.runtime import kv_cache
+from specdec.runtime.sequence import SequenceCache
 from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys
 from specdec.v1 import common_pb2, coordinator_pb2
@@ -82,7 +82,7 @@ def test_another_salt_finds_nothing(tiny_target):
 
 
 def test_blocks_stay_within_the_pool_and_make_room_for_sessions_least_recently_used_first(tiny_target):
-    chunk = lean.CHUNK
+    chunk = kv_cache.CHUNK
     pool = KVPool(2 * chunk, tiny_target.lean.token_bytes())
     cache = PrefixCache(pool)
     kept = []
@@ -104,7 +104,7 @@ def test_blocks_stay_within_the_pool_and_make_room_for_sessions_least_recently_u
 
 
 def test_a_full_pool_keeps_the_earlier_blocks_of_a_prefix_and_evicts_later_ones_first(tiny_target):
-    pool = KVPool(lean.CHUNK + 3 * B, tiny_target.lean.token_bytes())
+    pool = KVPool(kv_cache.CHUNK + 3 * B, tiny_target.lean.token_bytes())
     cache = PrefixCache(pool)
     seq = SequenceCache(tiny_target, prompt(6 * B + 1), pool)   # holds a page of CHUNK tokens
     seq.prefill()
@@ -223,7 +223,7 @@ def test_info_reports_the_cache_and_an_ended_session_leaves_what_it_generated(ca
 
 
 def test_a_hit_with_no_room_beside_its_blocks_prefills_cold_and_the_pool_takes_them_back(tiny_target):
-    chunk = lean.CHUNK
+    chunk = kv_cache.CHUNK
     pool = KVPool(2 * chunk, tiny_target.lean.token_bytes())
     cache = PrefixCache(pool)
     ids = prompt(chunk - 1)
@@ -256,13 +256,13 @@ def test_keys_kept_between_stores_follow_a_rollback_and_new_tokens(tiny_target):
 # Run in a process of its own, so no other test's threads come or go meanwhile.
 _COPY_ON_A_CALLS_THREAD = """
 import os, threading, torch
-from specdec.runtime import lean
+from specdec.runtime import kv_cache
 B = 16
 if torch.get_num_threads() < 2:
     print("one-core"); raise SystemExit
-cache = lean.StaticKVCache(8, 4, 128, torch.float32, torch.device("cpu"))  # blocks of 131,072 values
+cache = kv_cache.StaticKVCache(8, 4, 128, torch.float32, torch.device("cpu"))  # blocks of 131,072 values
 cache.reserve(4 * B); cache.buffer.normal_(); cache.length = 4 * B
-copied, blocks = lean.StaticKVCache(8, 4, 128, torch.float32, torch.device("cpu")), []
+copied, blocks = kv_cache.StaticKVCache(8, 4, 128, torch.float32, torch.device("cpu")), []
 done, go_on = threading.Event(), threading.Event()
 def call():
     blocks.extend(cache.block(b * B, (b + 1) * B) for b in range(4))   # what store does

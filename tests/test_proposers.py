@@ -11,8 +11,12 @@ from specdec_tools.cli import parser as cli_parser
 
 
 def test_the_registered_kinds_are_what_the_api_and_the_flags_offer():
-    assert set(KINDS) == {"hybrid", "model", "ngram"}
-    assert set(PROPOSER_KINDS.values()) == {"", *KINDS}  # each has its ProposerKind value
+    # The API's contract (the proto enum) and the registry agree both ways: a kind
+    # registered without its enum value, or a value with no kind behind it, fails here.
+    from specdec.v1 import coordinator_pb2 as pb
+    offered = {name.removeprefix("PROPOSER_KIND_").lower() for name in pb.ProposerKind.keys()} - {"unspecified"}
+    assert offered == set(KINDS)
+    assert {pb.ProposerKind.Name(v) for v in PROPOSER_KINDS} == set(pb.ProposerKind.keys())
     (proposer,) = [s for s in SETTINGS if s.flag == "--proposer"]
     assert set(proposer.options["choices"]) == set(KINDS) and all(k in proposer.options["help"] for k in KINDS)
     args = cli_parser().parse_args(["generate", "--prompt", "x", "--proposer", "ngram"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec.runtime import torch_thread
-from specdec.runtime.kv_cache import SequenceCache
+from specdec.runtime.sequence import SequenceCache
 
 
 def test_run_executes_on_one_thread_and_inline_when_already_there():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdec.rpc.errors import InvalidArgument
-from specdec.runtime.kv_cache import SequenceCache, Steps, drive
+from specdec.runtime.sequence import SequenceCache, Steps, drive
 from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.models import LoadedModel
 from specdec.spec.proposer import RejectionOutput

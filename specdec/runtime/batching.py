@@ -1,7 +1,7 @@
 """Continuous batching: the forwards of many sessions' calls, run as one.
 
 A model service's calls (StartSession's prefill, Propose's draft steps, Verify,
-Decode) are generators of `Forward` steps (specdec.runtime.kv_cache): each yields the
+Decode) are generators of `Forward` steps (specdec.runtime.sequence): each yields the
 rows it needs the model to run and receives their logits. A call hands its
 generator to the Scheduler and waits. On the process's torch thread the
 scheduler keeps every call in flight at the Forward it waits on, runs the
@@ -31,7 +31,7 @@ from typing import Callable, TypeVar
 import torch
 
 from specdec.runtime import torch_thread
-from specdec.runtime.kv_cache import Forward, Steps, run_steps
+from specdec.runtime.sequence import Forward, Steps, run_steps
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """A bound on what all of a model service's KV caches hold together.
 
-Each session's cache is one buffer that grows in pages of `lean.CHUNK` tokens
+Each session's cache is one buffer that grows in pages of `kv_cache.CHUNK` tokens
 as its sequence does; the pool counts the pages every live cache holds and
 refuses growth past its budget with RESOURCE_EXHAUSTED, so many long sessions
 are turned away instead of running the process out of memory. A cache's pages

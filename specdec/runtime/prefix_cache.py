@@ -37,7 +37,7 @@ import torch
 from specdec.rpc.errors import ResourceExhausted
 
 if TYPE_CHECKING:
-    from specdec.runtime.kv_cache import SequenceCache
+    from specdec.runtime.sequence import SequenceCache
     from specdec.runtime.kv_pool import KVPool
 
 BLOCK_TOKENS = 16

@@ -15,7 +15,7 @@ from specdec.runtime.batching import CallStats, Scheduler, lean_batch_forward
 from specdec.rpc.errors import InvalidArgument
 from specdec.runtime.cost_curve import CostCurve, LiveCurve, RowCost, gathered_cost, pinned_curve
 from specdec.spec.limits import MAX_PROPOSE_TOKENS, validate_token_ids
-from specdec.runtime.kv_cache import PREFILL_CHUNK, SequenceCache, Steps, drive
+from specdec.runtime.sequence import PREFILL_CHUNK, SequenceCache, Steps, drive
 from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.models import LoadedModel

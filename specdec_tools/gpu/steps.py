@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from specdec.runtime import torch_thread
-from specdec.runtime.kv_cache import SequenceCache, drive
+from specdec.runtime.sequence import SequenceCache, drive
 from specdec.runtime.models import LoadedModel, load_model
 from specdec.service.model_service import CURVE_PREFIX, device_clock, measure_cost_curve
 

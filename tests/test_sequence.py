@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.runtime.kv_cache import SequenceCache
+from specdec.runtime.sequence import SequenceCache
 
 PROMPT = [57, 84, 275, 71, 261, 276, 371]
 

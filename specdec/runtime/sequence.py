@@ -1,0 +1,142 @@
+"""A session's token ids and the KV cache over a prefix of them.
+
+`tokens` is everything the session has seen; the cache holds keys and values for
+`tokens[:cached]`. The uncached tail (usually the one token the other side
+added last round) is fed on the next forward. Rejected tokens are removed by
+`truncate`, which crops the cache; nothing is ever recomputed from scratch.
+
+Forwards are steps: `step` and `prefill_steps` are generators that yield a
+`Forward` (the rows to run) and receive its logits, so a model service's
+scheduler (specdec.runtime.batching) can run the pending forwards of many sessions as
+one batch. `forward` and `prefill` run them alone, for callers without one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generator, Sequence, TypeVar
+
+import torch
+from transformers import DynamicCache
+
+from specdec.runtime import torch_thread
+
+if TYPE_CHECKING:
+    from specdec.runtime.kv_pool import KVPool
+    from specdec.runtime.models import LoadedModel
+
+T = TypeVar("T")
+PREFILL_CHUNK = 256  # prompt tokens per prefill forward, when not set by the service
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One step of a session: run the model over `feed` (its uncached tokens, in
+    order) and give back the logits of the last `keep_last` of them."""
+    seq: "SequenceCache"
+    feed: tuple[int, ...]      # [T]
+    keep_last: int             # 0..T; 0 for a prefill chunk, whose logits nobody reads
+
+    def run(self) -> torch.Tensor:
+        """Alone: [keep_last, model_vocab] float32."""
+        return self.seq._forward(self.feed, self.keep_last)
+
+
+Steps = Generator[Forward, torch.Tensor, T]  # yields forwards, receives their logits, returns T
+
+
+def drive(steps: Steps[T]) -> T:
+    """Run a generator's forwards one at a time, on the torch thread; its result."""
+    return torch_thread.run(run_steps, steps)
+
+
+def run_steps(steps: Steps[T]) -> T:
+    try:
+        forward = next(steps)
+        while True:
+            forward = steps.send(forward.run())
+    except StopIteration as done:
+        return done.value
+
+
+class SequenceCache:
+    def __init__(self, loaded: "LoadedModel", prompt_ids: Sequence[int], pool: "KVPool | None" = None):
+        self.loaded = loaded
+        self.tokens: list[int] = [int(t) for t in prompt_ids]
+        self.cache_salt = b""  # what the prefix cache keys this session's blocks under
+        # The prefix cache's keys of its first full blocks, with their salt and tokens (prefix_cache).
+        self.block_keys: tuple[bytes | None, list[int], list[bytes]] = (None, [], [])
+        # The lean forward's static buffer where the model has one; transformers' cache otherwise.
+        self.cache = loaded.lean.new_cache(pool) if loaded.lean else DynamicCache(config=loaded.model.config)
+
+    @property
+    def cached(self) -> int:
+        return self.cache.get_seq_length()
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def prefill(self) -> None:
+        """Cache all but the last token, so the first round only feeds one token."""
+        drive(self.prefill_steps())
+
+    def prefill_steps(self, chunk: int = PREFILL_CHUNK) -> Steps[None]:
+        """The prefill as forwards of at most `chunk` tokens: a long prompt then
+        holds up the other sessions of a batching scheduler by one chunk at a time."""
+        assert chunk > 0, chunk
+        while len(self.tokens) - self.cached > 1:
+            end = min(self.cached + chunk, len(self.tokens) - 1)
+            yield Forward(self, tuple(self.tokens[self.cached:end]), 0)
+
+    def forward(self, extra: Sequence[int], keep_last: int) -> torch.Tensor:
+        """Append `extra`, run the model over every uncached token, and return the
+        logits of the last `keep_last` positions: [keep_last, model_vocab] float32."""
+        return drive(self.step(extra, keep_last))
+
+    def step(self, extra: Sequence[int], keep_last: int) -> Steps[torch.Tensor]:
+        """`forward` as a step: yields its Forward, returns the logits sent back."""
+        self.tokens.extend(int(t) for t in extra)
+        if self.cached >= len(self.tokens):
+            # Every token is cached (e.g. a commit only dropped drafts): re-feed
+            # the last one to get its logits again.
+            self.cache.crop(-(self.cached - len(self.tokens) + 1))
+        feed = self.tokens[self.cached :]
+        assert 0 < keep_last <= len(feed), (keep_last, len(feed))
+        return (yield Forward(self, tuple(feed), keep_last))
+
+    @torch.inference_mode()
+    def _forward(self, feed: Sequence[int], keep_last: int) -> torch.Tensor:
+        ids = torch.tensor(list(feed), dtype=torch.long, device=self.loaded.device)
+        if self.loaded.lean:
+            return self.loaded.lean.batch([(ids, self.cache, keep_last)])[0]
+        # transformers' forward keeps at least one row (logits_to_keep=0 means all of them).
+        out = self.loaded.model(input_ids=ids[None], cache=self.cache, use_cache=True,
+                                logits_to_keep=max(keep_last, 1))
+        return out.logits[0, out.logits.shape[1] - keep_last:].float()
+
+    def append(self, ids: Sequence[int]) -> None:
+        """Add tokens without running the model; the next forward feeds them."""
+        self.tokens.extend(int(t) for t in ids)
+
+    def snapshot(self) -> tuple[int, ...]:
+        """What `restore` needs to undo any later append, truncate or forward."""
+        return tuple(self.tokens)
+
+    def restore(self, tokens: tuple[int, ...]) -> None:
+        """Back to the tokens of a snapshot. The cache keeps what still matches them
+        (a failed call that only appended keeps its whole cache); anything past the
+        first difference is cropped and fed again on the next forward."""
+        same = 0
+        limit = min(len(tokens), len(self.tokens), self.cached)
+        while same < limit and tokens[same] == self.tokens[same]:
+            same += 1
+        self.tokens = list(tokens)
+        if self.cached > same:
+            self.cache.crop(-(self.cached - same))
+
+    def truncate(self, length: int) -> None:
+        """Keep `tokens[:length]`, cropping the cache past it (the KV rollback)."""
+        assert 0 <= length <= len(self.tokens), (length, len(self.tokens))
+        del self.tokens[length:]
+        excess = self.cached - length
+        if excess > 0:
+            self.cache.crop(-excess)
