@@ -24,8 +24,8 @@ def pooled(runs, system, temperature=0.0, field=None):
     import statistics
     group = [r for r in runs if r["system"] == system and r["temperature"] == temperature]
     assert group, system
-    if field == "first_token_ms":
-        return statistics.median(r["stats"]["first_token_ms"] for r in group)
+    if field == "first_token_ms":   # the report's median, rounded as its table shows it
+        return round(statistics.median(r["stats"]["first_token_ms"] for r in group), 1)
     return sum(r["new_tokens"] for r in group) / sum(r["seconds"] for r in group)
 
 
@@ -66,7 +66,7 @@ def test_bench_quick_on_the_tiny_pair(tmp_path, capsys):
         # The ratios are the raw runs' own: a report that pooled, paired or rounded wrong fails here.
         assert greedy["speedup_vs_target_only"] == pytest.approx(ratio(runs, system, "target-only"), abs=2e-3)
         assert greedy["first_token_vs_target_only"] == pytest.approx(
-            ratio(runs, system, "target-only", "first_token_ms"), rel=0.02)
+            ratio(runs, system, "target-only", "first_token_ms"), abs=2e-3)
     for system in ("spec-g2", "spec-g4", "spec-g6"):
         greedy = rows[("all", 0.0, system)]
         assert greedy["greedy_identical"] == "2/2"

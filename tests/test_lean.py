@@ -219,7 +219,7 @@ def test_warm_up_can_time_every_prefill_bucket_a_chunk_can_meet(monkeypatch, ker
     from types import SimpleNamespace
 
     from specdec.runtime.sequence import SequenceCache
-    from specdec.service.model_service import time_prefill_buckets
+    from specdec.service.warm_up import time_prefill_buckets
     forward = _tiny_int4_forward()
     loaded = SimpleNamespace(lean=forward, device=torch.device("cpu"), vocab_size=300,
                              tokenizer=SimpleNamespace(encode=lambda text, add_special_tokens: [5, 6]))

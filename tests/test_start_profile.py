@@ -10,7 +10,7 @@ from specdec.runtime import kernel_choices
 from specdec.runtime.quant import int4
 from specdec.runtime.cost_curve import COST_CURVE_ENV, CostCurve
 from specdec.rpc.serving import channel
-from specdec.service import model_service, start_profile
+from specdec.service import start_profile, warm_up
 from specdec.v1 import common_pb2, drafter_pb2_grpc
 from tests.test_lean import _tiny_int4_forward
 
@@ -68,12 +68,12 @@ def test_a_second_start_serves_on_what_the_first_timed_unless_the_machine_change
     for variable in COST_CURVE_ENV.values():   # a pinned curve is not timed, so not kept
         monkeypatch.delenv(variable, raising=False)
     timed: list[str] = []
-    real_gathered = model_service.time_gathered_buckets
+    real_gathered = warm_up.time_gathered_buckets
 
     def gathered(*args):
         timed.append("gathered")
         return real_gathered(*args)
-    monkeypatch.setattr(model_service, "time_gathered_buckets", gathered)
+    monkeypatch.setattr(warm_up, "time_gathered_buckets", gathered)
 
     def start() -> common_pb2.ModelInfo:
         running = drafter.service.serve(tiny_draft, cost_curve_rows=3)

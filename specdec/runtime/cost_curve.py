@@ -45,7 +45,7 @@ class RowCost:
 
 def gathered_cost(one_row_ms: float, costs: dict[int, float]) -> RowCost | None:
     """The scheduler's cost of a batch of several sessions' rows, from what such batches took
-    at warm-up, {rows: ms} (model_service.time_gathered_buckets; one row: a session's own
+    at warm-up, {rows: ms} (warm_up.time_gathered_buckets; one row: a session's own
     forward), linear between the row counts timed; None where none were."""
     if not costs:
         return None

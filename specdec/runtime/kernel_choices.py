@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 TRIES = 3               # timed calls of each kernel before a bucket's choice; the fastest call counts
 # A kernel that took this many times the fastest one's time is not timed again for the bucket.
 # A first call's one-off costs (oneDNN building its kernel) rarely reach it, and timing a
-# path that slow three times is what a service's start (model_service.time_prefill_buckets),
+# path that slow three times is what a service's start (warm_up.time_prefill_buckets),
 # or else a bucket's first request, pays: on an AVX2 CPU emulated bf16 matmuls are 4x its
 # int8 kernels.
 HOPELESS = 3.0

@@ -13,6 +13,7 @@ from specdec.rpc.security import load_token
 from specdec.rpc.serving import RunningServer, catch_stop_signals, run_until_signal
 from specdec.runtime import torch_thread
 from specdec.runtime.models import LoadedModel, load_model
+from specdec.service.model_service import ServeConfig
 from specdec.service.settings import own_options
 
 
@@ -30,15 +31,14 @@ def run_model_service(name: str, args: argparse.Namespace,
                                         head_vocab=args.head_vocab, forward=args.forward,
                                         random_weights=args.random_weights)
         stopping = catch_stop_signals()
-        running = serve(loaded, host=args.host, port=args.port, session_ttl_s=args.session_ttl,
-                        max_sessions=args.max_sessions, tls=tls, uds=args.uds,
-                        cost_curve_rows=args.cost_curve_rows, cost_curve=args.cost_curve,
-                        kv_cache_mb=args.kv_cache_mb,
-                        prefill_chunk=args.prefill_chunk, max_batch_rows=args.max_batch_rows, auth_token=token,
-                        prefill_weights=args.prefill_weights, prefix_cache=args.prefix_cache,
-                        kernel_rows=args.kernel_rows, batch_invariant=args.batch_invariant,
-                        start_profile_setting=args.start_profile,
-                        **own_options(args, name))
+        config = ServeConfig(host=args.host, port=args.port, session_ttl_s=args.session_ttl,
+                             max_sessions=args.max_sessions, tls=tls, uds=args.uds, auth_token=token,
+                             cost_curve_rows=args.cost_curve_rows, cost_curve=args.cost_curve,
+                             kv_cache_mb=args.kv_cache_mb, prefill_chunk=args.prefill_chunk,
+                             max_batch_rows=args.max_batch_rows, prefill_weights=args.prefill_weights,
+                             prefix_cache=args.prefix_cache, kernel_rows=args.kernel_rows,
+                             batch_invariant=args.batch_invariant, start_profile_setting=args.start_profile)
+        running = serve(loaded, config=config, **own_options(args, name))
         start_health(running, args)
     except (SpecdecError, ValueError, OSError) as exc:
         log.error("%s", exc)

@@ -2,8 +2,10 @@
 session lifecycle around a store with a TTL. Each service adds its own calls."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from contextlib import contextmanager
 from typing import Callable, Generic, Iterator, Protocol, TypeVar
 
@@ -23,6 +25,8 @@ from specdec.rpc.security import ServerTls, refuse_if_exposed
 from specdec.rpc.serving import RunningServer, start_server
 from specdec.rpc.sessions import SessionStore, check_id
 from specdec.service import start_profile
+from specdec.service.warm_up import (GATHERED_ROWS, keep_dense_weights, measure_cost_curve, warm_and_time,
+                                     warm_up)
 from specdec.weights.tokenizer_fingerprint import tokenizer_files
 from specdec.v1 import common_pb2
 
@@ -226,197 +230,71 @@ def available_memory() -> int:
     return available
 
 
-def warm_up(loaded: LoadedModel) -> None:
-    """One short forward so the first request does not pay for lazy init."""
-    ids = loaded.tokenizer.encode("warm up", add_special_tokens=False) or [0]
-    SequenceCache(loaded, ids).forward([], keep_last=1)
-
-
-def time_prefill_buckets(loaded: LoadedModel, prefill_chunk: int = PREFILL_CHUNK) -> None:
-    """Prefill one chunk of each row bucket a chunk can fall in, so kernel_choices.pick has
-    timed its paths before any request meets it (otherwise the request that does
-    pays: the first 228-token prompt on an AVX2 EPYC waited 10.3 s for its first
-    token where the next waited 5.9)."""
-    if loaded.device.type != "cpu":  # the timed paths are the CPU's
-        return
-    filler = [(7 * i + 3) % loaded.vocab_size for i in range(prefill_chunk + 1)]
-    for rows in sorted({min(kernel_choices.bucket(n), prefill_chunk)
-                        for n in range(dense_rows.MIN_PREFILL_ROWS, prefill_chunk + 1)}):
-        drive(SequenceCache(loaded, filler[:rows + 1]).prefill_steps(chunk=rows))  # one chunk of `rows`
-
-
-GATHERED_ROWS = 32  # the largest batch of decode rows timed at warm-up (more: timed at its first forward)
-
-
-def time_gathered_buckets(loaded: LoadedModel, max_sessions: int) -> dict[int, float]:
-    """For each row bucket n up to GATHERED_ROWS (and max_sessions), forwards of n sessions'
-    decode rows: the first chooses the kernels for batches of several sessions (lean's
-    `_gathered`) and makes their int8 weights before any request waits for it; the least of
-    two more is what such a batch costs, {n: ms}, for the scheduler's batch sizes. Nothing
-    where batches keep each session's bits (--batch-invariant) or the timed paths are not the CPU's."""
-    lean = loaded.lean
-    if lean is None or lean.batch_invariant or loaded.device.type != "cpu":
-        return {}
-    started = time.perf_counter()
-    prompt = [(5 * i + 1) % loaded.vocab_size for i in range(16)]
-    costs = {}
-    for sessions in sorted({kernel_choices.bucket(n) for n in range(2, min(GATHERED_ROWS, max_sessions) + 1)}):
-        seqs = [SequenceCache(loaded, prompt) for _ in range(sessions)]
-        for seq in seqs:
-            seq.prefill()
-        times = []
-        for _ in range(3):
-            for seq in seqs:    # the same row again: a decode step taken back
-                seq.cache.length = len(prompt) - 1
-            begun = time.perf_counter()
-            lean.batch([(torch.tensor(seq.tokens[-1:], device=loaded.device), seq.cache, 1) for seq in seqs])
-            times.append((time.perf_counter() - begun) * 1e3)
-        costs[sessions] = round(min(times[1:]), 3)
-    log.info("kernels for batches of 2..%d sessions' rows timed in %.1f s; such a batch's ms by rows: %s",
-             min(GATHERED_ROWS, max_sessions), time.perf_counter() - started,
-             ", ".join(f"{n}: {ms:.1f}" for n, ms in costs.items()))
-    return costs
-
-
-CURVE_PREFIX = 128  # tokens cached before each timed forward: a short prompt's worth
-
-
-def device_clock(device) -> Callable[[], float]:
-    """time.perf_counter, after the device's queued work is done: a GPU runs kernels
-    after their launch returns, so an unsynchronized clock reads launch time."""
-    if device.type != "cuda":
-        return time.perf_counter
-
-    def clock() -> float:
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
-    return clock
-
-
-def measure_cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3, prefills: int = 2) -> CostCurve:
-    """The least ms of `repeats` forwards over 1..rows new rows after a CURVE_PREFIX-token
-    prefix: what verifying γ = rows - 1 drafts costs, or a draft step (1 row).
-    Rows are not free in every precision (int4 takes 4 a kernel pass), so the
-    coordinator plans γ on this curve rather than on a line. And what the prefix's
-    prefill cost per token: the coordinator weighs a drafter's prefill of a long
-    prompt against what drafting can save (the least of `prefills`; 0: the prefix prefilled once, untimed)."""
-    if rows <= 0:
-        return CostCurve([], 0.0)
-    ids = [(7 * i + 3) % loaded.vocab_size for i in range(CURVE_PREFIX + rows)]
-    per_token = []
-    clock = device_clock(loaded.device)
-    for _ in range(max(prefills, 1)):
-        seq = SequenceCache(loaded, ids[:CURVE_PREFIX])
-        started = clock()
-        seq.prefill()  # all but the last prefix token
-        per_token.append((clock() - started) * 1e3 / (CURVE_PREFIX - 1))
-    seq.forward([], keep_last=1)
-    curve = []
-    for n in range(1, rows + 1):
-        times = []
-        for _ in range(repeats):
-            started = clock()
-            seq.forward(ids[CURVE_PREFIX:CURVE_PREFIX + n], keep_last=n)
-            times.append((clock() - started) * 1e3)
-            seq.truncate(CURVE_PREFIX)  # the rollback a rejected draft gets
-        curve.append(round(min(times), 3))  # the least disturbed: another process may share the cores
-    return CostCurve(curve, round(min(per_token), 4) if prefills else 0.0)
-
-
-def warm_and_time(loaded: LoadedModel, service_name: str, key: dict | None, cost_curve_rows: int,
-                  prefill_chunk: int, max_sessions: int) -> tuple[CostCurve, dict[int, float]]:
-    """Warm up, then the cost curve and the gathered batches' costs: a start profile's,
-    saved under `key` by a start before, where a decode step timed now agrees with it
-    (its kernel choices restored before warm-up, which would time them); else timed,
-    with the prefill and gathered row buckets' kernel choices."""
-    profile = start_profile.load(key) if key is not None else None
-    if profile is not None:
-        kernel_choices.restore_choices(profile.choices)
-    torch_thread.run(warm_up, loaded)
-    if profile is not None:
-        decode_ms = torch_thread.run(measure_cost_curve, loaded, 1, prefills=0).forward_ms[0]
-        saved = start_profile.path_for(key)
-        if start_profile.holds(profile, decode_ms):
-            log.info("%s: kernel choices and cost curves from %s (a decode step now %.1f ms, then %.1f ms)",
-                     service_name, saved, decode_ms, profile.curve.forward_ms[0])
-            return profile.curve, profile.gathered
-        log.info("%s: a decode step now takes %.1f ms, %.1f ms when %s was saved: timing again",
-                 service_name, decode_ms, profile.curve.forward_ms[0], saved)
-        kernel_choices.restore_choices({})
-        torch_thread.run(forget_prepared, loaded)
-    torch_thread.run(time_prefill_buckets, loaded, prefill_chunk)
-    gathered = torch_thread.run(time_gathered_buckets, loaded, max_sessions)
-    return torch_thread.run(measure_cost_curve, loaded, cost_curve_rows), gathered
-
-
-def forget_prepared(loaded: LoadedModel) -> None:
-    """Drop the accelerated kernels' weights the layers made for restored choices
-    (`kernel_choices.wanted`): the next call prepares every backend, to be timed again."""
-    roots = loaded.lean.linears() if loaded.lean else [loaded.model]
-    for root in roots:
-        for module in root.modules():
-            module.__dict__.pop("_accel", None)
-
-
-def keep_dense_weights(loaded: LoadedModel, service_name: str) -> int:
-    """--prefill-weights dense: the quantized layers hold their dense weight (bf16 or fp32,
-    dense_rows.matmul_dtype) for calls of many rows."""
-    if loaded.device.type != "cpu":
-        return 0
-    roots = loaded.lean.linears() if loaded.lean else [getattr(loaded.model, "model", loaded.model)]
-    started = time.perf_counter()
-    held = torch_thread.run(dense_rows.keep, roots)
-    if held:
-        log.info("%s: %.2f GB of dense weights kept for prefills (%.1f s; --prefill-weights unpack does without "
-                 "them, and prefills unpack each layer per call)", service_name, held / 1e9,
-                 time.perf_counter() - started)
-    return held
+@dataclass(frozen=True)
+class ServeConfig:
+    """How a model service serves: its command line's settings (specdec.service.settings
+    declares the flags), as `serve_model` takes them."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    session_ttl_s: float = 600.0
+    max_sessions: int = 256
+    tls: ServerTls | None = None
+    uds: str | None = None
+    auth_token: str | None = None
+    cost_curve_rows: int = 0            # rows the cost curve is timed over (0: not timed)
+    cost_curve: CostCurve | None = None  # published as given instead of timed
+    kv_cache_mb: float = 0.0
+    prefill_chunk: int = PREFILL_CHUNK
+    max_batch_rows: int = MAX_BATCH_ROWS
+    prefill_weights: str = "dense"
+    prefix_cache: str = "on"
+    kernel_rows: int = 1
+    batch_invariant: bool = False
+    start_profile_setting: str = "on"
 
 
 def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, service_name: str,
-                loaded: LoadedModel, host: str = "127.0.0.1", port: int = 0, session_ttl_s: float = 600.0,
-                max_sessions: int = 256, tls: ServerTls | None = None, uds: str | None = None,
-                cost_curve_rows: int = 0, kv_cache_mb: float = 0.0, prefill_chunk: int = PREFILL_CHUNK,
-                max_batch_rows: int = MAX_BATCH_ROWS, cost_curve: CostCurve | None = None,
-                auth_token: str | None = None, prefill_weights: str = "dense",
-                prefix_cache: str = "on", kernel_rows: int = 1, batch_invariant: bool = False,
-                start_profile_setting: str = "on") -> RunningServer:
+                loaded: LoadedModel, config: ServeConfig | None = None, **settings) -> RunningServer:
     """Start a model service; it reports SERVING only once the model is warm.
     `cost_curve`: publish this curve instead of timing one at warm-up (None: the
     one the environment pins, else timed over `cost_curve_rows` rows, and with it the
     prefill paths of every chunk's row bucket; with `start_profile_setting` "on", what an earlier
-    start timed under the same key where it still holds, start_profile's)."""
-    refuse_if_exposed(service_name, host, tls, uds, auth_token)
-    kernel_choices.choose_at(kernel_rows)
+    start timed under the same key where it still holds, start_profile's). `settings`:
+    ServeConfig's fields, over `config`'s."""
+    config = dataclasses.replace(config or ServeConfig(), **settings)
+    refuse_if_exposed(service_name, config.host, config.tls, config.uds, config.auth_token)
+    kernel_choices.choose_at(config.kernel_rows)
     if loaded.lean is not None:
-        loaded.lean.batch_invariant = batch_invariant
-    if prefill_chunk < 1 or max_batch_rows < 1:
-        raise ValueError(f"--prefill-chunk ({prefill_chunk}) and --max-batch-rows ({max_batch_rows}) must be >= 1")
-    if prefill_weights == "dense":  # before the KV pool takes its share of what memory is left
+        loaded.lean.batch_invariant = config.batch_invariant
+    if config.prefill_chunk < 1 or config.max_batch_rows < 1:
+        raise ValueError(f"--prefill-chunk ({config.prefill_chunk}) and --max-batch-rows "
+                         f"({config.max_batch_rows}) must be >= 1")
+    if config.prefill_weights == "dense":  # before the KV pool takes its share of what memory is left
         keep_dense_weights(loaded, service_name)
-    store = SessionStore(ttl_s=session_ttl_s, max_sessions=max_sessions)
+    store = SessionStore(ttl_s=config.session_ttl_s, max_sessions=config.max_sessions)
     store.start_reaper()
-    pool = kv_pool(loaded, kv_cache_mb)
-    scheduler = new_scheduler(loaded, max_batch_rows)
-    prefix = PrefixCache(pool) if pool is not None and prefix_cache == "on" else None
-    servicer = servicer_cls(loaded, session_cls, store, pool, scheduler, prefill_chunk, prefix)
+    pool = kv_pool(loaded, config.kv_cache_mb)
+    scheduler = new_scheduler(loaded, config.max_batch_rows)
+    prefix = PrefixCache(pool) if pool is not None and config.prefix_cache == "on" else None
+    servicer = servicer_cls(loaded, session_cls, store, pool, scheduler, config.prefill_chunk, prefix)
     # A worker per session and a few spare, so health checks are answered under full load.
-    running = start_server(lambda server: add_to_server(servicer, server), [service_name], host=host, port=port,
-                           max_workers=max_sessions + 8, tls=tls, uds=uds, auth_token=auth_token)
+    running = start_server(lambda server: add_to_server(servicer, server), [service_name], host=config.host,
+                           port=config.port, max_workers=config.max_sessions + 8, tls=config.tls, uds=config.uds,
+                           auth_token=config.auth_token)
     running.on_stop = store.close
-    pinned = cost_curve or pinned_curve(service_name)
+    pinned = config.cost_curve or pinned_curve(service_name)
     gathered: dict[int, float] = {}
-    if pinned or cost_curve_rows <= 0:
+    if pinned or config.cost_curve_rows <= 0:
         torch_thread.run(warm_up, loaded)
-        servicer.curve = pinned or torch_thread.run(measure_cost_curve, loaded, cost_curve_rows)
+        servicer.curve = pinned or torch_thread.run(measure_cost_curve, loaded, config.cost_curve_rows)
     else:  # the curve timed, with the prefill and gathered buckets, or what a start before timed
         key = start_profile.profile_key(loaded.identity, str(loaded.device), dict(
-            service=service_name, kernel_rows=kernel_rows, batch_invariant=batch_invariant,
-            cost_curve_rows=cost_curve_rows, max_sessions=min(max_sessions, GATHERED_ROWS),
-            prefill_chunk=prefill_chunk, prefill_weights=prefill_weights))
-        kept = start_profile_setting == "on"
-        servicer.curve, gathered = warm_and_time(loaded, service_name, key if kept else None, cost_curve_rows,
-                                                 prefill_chunk, max_sessions)
+            service=service_name, kernel_rows=config.kernel_rows, batch_invariant=config.batch_invariant,
+            cost_curve_rows=config.cost_curve_rows, max_sessions=min(config.max_sessions, GATHERED_ROWS),
+            prefill_chunk=config.prefill_chunk, prefill_weights=config.prefill_weights))
+        kept = config.start_profile_setting == "on"
+        servicer.curve, gathered = warm_and_time(loaded, service_name, key if kept else None,
+                                                 config.cost_curve_rows, config.prefill_chunk, config.max_sessions)
         if kept:
             def save_profile() -> None:  # at start, and at a clean stop with the choices made while serving
                 start_profile.save(start_profile.StartProfile(servicer.curve, gathered, kernel_choices.saved_choices()),
@@ -436,7 +314,7 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
     if pool is not None:
         log.info("%s: KV cache pool of %d tokens (%.0f MiB); batches of up to %d rows, prefill chunks of %d; "
                  "prefix cache %s", service_name, pool.budget_tokens, pool.budget_tokens * pool.token_bytes / 2**20,
-                 max_batch_rows, prefill_chunk,
+                 config.max_batch_rows, config.prefill_chunk,
                  f"on ({prefix.block_tokens}-token blocks, within the pool)" if prefix else "off")
     running.set_serving(True)
     return running

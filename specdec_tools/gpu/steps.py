@@ -19,7 +19,7 @@ import torch
 from specdec.runtime import torch_thread
 from specdec.runtime.sequence import SequenceCache, drive
 from specdec.runtime.models import LoadedModel, load_model
-from specdec.service.model_service import CURVE_PREFIX, device_clock, measure_cost_curve
+from specdec.service.warm_up import CURVE_PREFIX, device_clock, measure_cost_curve
 
 ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17)
 PREFILL_TOKENS = 512
@@ -51,7 +51,7 @@ def _ids(loaded: LoadedModel, count: int) -> list[int]:
 
 def rows_curve(loaded: LoadedModel, rows=ROWS, repeats: int = 5) -> dict[int, float]:
     """ms of one forward over n new rows after a 128-token prefix: the cost curve the
-    services publish (model_service.measure_cost_curve, synchronized on a GPU), at `rows`."""
+    services publish (warm_up.measure_cost_curve, synchronized on a GPU), at `rows`."""
     curve = measure_cost_curve(loaded, max(rows), repeats).forward_ms
     return {n: curve[n - 1] for n in rows}
 
