@@ -11,7 +11,8 @@ from specdec.spec.limits import validate_token_ids
 from specdec.v1 import coordinator_pb2
 from specdec.spec.wire import sampling_from_proto
 
-from coordinator.engine import GenerationRequest, Stats, Update
+from coordinator.engine import GenerationRequest, Update
+from coordinator.stats import stats_to_proto
 from coordinator.proposers import KINDS
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -173,26 +174,6 @@ def prefix_salt(request_salt: bytes, caller: str, shared: bool) -> bytes:
     so one caller cannot time another's prompts."""
     parts = [request_salt] if shared else [caller.encode("utf-8"), request_salt]
     return hashlib.sha256(b"\0".join(parts)).digest() if any(parts) else b""
-
-
-def stats_to_proto(stats: Stats) -> coordinator_pb2.GenerationStats:
-    # Every field but the per-source list is the Stats attribute of its name: a new
-    # statistic is its proto field and its attribute (test_requests holds them together).
-    out = coordinator_pb2.GenerationStats()
-    for field in out.DESCRIPTOR.fields:
-        if field.name in ("draft_sources", "probes"):
-            continue
-        value = getattr(stats, field.name)
-        if isinstance(value, (list, tuple)):
-            getattr(out, field.name).extend(value)
-        else:
-            setattr(out, field.name, value)
-    out.draft_sources.extend(coordinator_pb2.DraftSourceStats(
-        source=name, rounds=c.rounds, draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens,
-        acceptance_rate=c.acceptance_rate) for name, c in sorted(stats.sources.items()))
-    out.probes.extend(coordinator_pb2.ProbeStats(kind=kind, count=p.count, ms=p.ms)
-                      for kind, p in sorted(stats.probes.items()))
-    return out
 
 
 def update_to_proto(update: Update, with_stats: bool) -> coordinator_pb2.GenerateResponse:

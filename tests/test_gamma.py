@@ -558,7 +558,7 @@ def test_plans_follow_the_curves_the_services_publish_again():
 def test_now_and_then_a_request_refused_for_its_prefill_drafts_all_the_same_but_never_under_load():
     # A draft cost measured high once (a warm-up on a slow start) keeps every request off
     # the draft model, and only requests that draft measure it again: now and then a short one does.
-    from coordinator.gamma.policy import PREFILL_PROBE_EVERY, PREFILL_PROBE_MAX_TOKENS
+    from coordinator.gamma.priors import PREFILL_PROBE_EVERY, PREFILL_PROBE_MAX_TOKENS
     priors = GammaPriors()
     alone = [priors.probe_prefill(calls=1.0, prompt_tokens=80) for _ in range(3 * PREFILL_PROBE_EVERY)]
     assert alone.count(True) == 3 and alone[PREFILL_PROBE_EVERY - 1] and not any(alone[:PREFILL_PROBE_EVERY - 1])

@@ -85,8 +85,7 @@ def test_the_proposer_is_the_requests_choice_or_the_servers():
 def test_every_generation_stat_is_the_engines_attribute_of_its_name():
     """A new statistic is its GenerationStats field and its Stats attribute: the
     mapping, the bench and `specdec load` take it by name."""
-    from coordinator.engine import SourceCount, Stats
-    from coordinator.requests import stats_to_proto
+    from coordinator.stats import SourceCount, Stats, stats_to_proto
     from coordinator.rounds import RoundRecord
     from specdec.spec.proposer import MODEL, NGRAM, runs
     stats = Stats(prompt_tokens=7, gamma=3, fallback="why")

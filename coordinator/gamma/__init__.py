@@ -45,7 +45,8 @@ from coordinator.gamma.acceptance import (LOOKUP_PRIORS, MATCH_BUCKETS, Acceptan
                                           lookup_acceptances, match_bucket)
 from coordinator.gamma.cost import LOAD_ALONE, CostModel, EwLinearFit, RowCurve, prefill_line
 from coordinator.gamma.load import ServiceLoad
-from coordinator.gamma.policy import ControllerState, GammaController, GammaPriors, Plan, regime
+from coordinator.gamma.policy import ControllerState, GammaController, Plan
+from coordinator.gamma.priors import GammaPriors, regime
 
 __all__ = ["Acceptance", "Calibration", "ControllerState", "CostModel", "EwLinearFit", "GammaController", "GammaPriors",
            "LOAD_ALONE", "LOOKUP_PRIORS", "MATCH_BUCKETS", "Plan", "RowCurve", "ServiceLoad", "lookup_acceptances",
