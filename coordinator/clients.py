@@ -14,8 +14,8 @@ import grpc
 from opentelemetry import trace
 
 from specdec.rpc.errors import TRANSPORT_CODES, RemoteError, public_message
-from specdec.spec.proposer import (MODEL, NGRAM, BatchLoad, Commit, Decoded, Proposal, Proposer, ProposerUnavailable,
-                                   RejectionOutput, runs)
+from specdec.spec.proposer import MODEL, NGRAM, Proposer, ProposerUnavailable
+from specdec.spec.types import BatchLoad, Commit, Decoded, Proposal, RejectionOutput, runs
 from specdec.spec.sampling import SamplingConfig
 from specdec.rpc import telemetry
 from specdec.rpc.security import ClientTls

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from specdec.rpc.errors import Cancelled, DeadlineExceeded
-from specdec.spec.proposer import (MODEL, NGRAM, Commit, Lookup, Proposal, Proposer, ProposerUnavailable,
-                                   RejectionOutput)
+from specdec.spec.proposer import MODEL, NGRAM, Proposer, ProposerUnavailable
+from specdec.spec.types import Commit, Lookup, Proposal, RejectionOutput
 from specdec.spec.sampling import SamplingConfig
 from specdec.rpc import telemetry
 

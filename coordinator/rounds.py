@@ -6,7 +6,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from specdec.spec.proposer import MODEL, Runs, judged, runs
+from specdec.spec.proposer import MODEL
+from specdec.spec.types import Runs, judged, runs
 
 
 @dataclass(frozen=True)

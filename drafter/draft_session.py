@@ -9,7 +9,7 @@ from specdec.rpc.errors import FailedPrecondition, InvalidArgument
 from specdec.runtime.sequence import SequenceCache, Steps, drive
 from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.models import LoadedModel
-from specdec.spec.proposer import Commit
+from specdec.spec.types import Commit
 from specdec.spec.sampling import SamplingConfig
 from specdec.spec.transform import make_generator, sample_from, scores_to_probs, transform_logits
 from specdec.spec.wire import DraftProbs, Truncation

@@ -7,7 +7,7 @@ from specdec.rpc.errors import InvalidArgument
 from specdec.service.model_service import ModelServiceBase, serve_model
 from specdec.spec.limits import MAX_PROPOSE_TOKENS, validate_token_ids
 from specdec.runtime.models import LoadedModel
-from specdec.spec.proposer import Commit
+from specdec.spec.types import Commit
 from specdec.rpc.serving import RunningServer
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.spec.wire import Truncation, draft_probs_to_proto, sampling_from_proto

@@ -16,7 +16,8 @@ from coordinator import clients
 from coordinator.clients import DrafterClient, RemoteDraftProposer, VerifierClient
 from specdec.rpc.errors import RemoteError
 from specdec.runtime.cost_curve import CostCurve
-from specdec.spec.proposer import MODEL, NGRAM, Commit, Proposal, ProposerUnavailable
+from specdec.spec.proposer import MODEL, NGRAM, ProposerUnavailable
+from specdec.spec.types import Commit, Proposal
 from specdec.spec.sampling import SamplingConfig
 from specdec.spec.wire import ONE_HOT, DraftProbs, Truncation
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc

@@ -6,11 +6,11 @@ import torch
 
 from drafter.draft_session import DraftSession
 from specdec.rpc.errors import FailedPrecondition, InvalidArgument
-from specdec.spec.proposer import Commit
+from specdec.spec.types import Commit
 from specdec.spec.sampling import SamplingConfig
 from specdec.spec.wire import Truncation
 from specdec.spec.draft_probs import draft_probs_tensor
-from tests.test_kv_cache import PROMPT, full_logits
+from tests.test_sequence import PROMPT, full_logits
 
 GREEDY = SamplingConfig()
 

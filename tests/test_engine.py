@@ -8,8 +8,8 @@ import pytest
 
 from coordinator.engine import GenerationRequest, SpeculativeEngine
 from specdec.rpc.errors import Cancelled
-from specdec.spec.proposer import (MODEL, Commit, Decoded, Lookup, Proposal, Proposer, ProposerUnavailable,
-                                   RejectionOutput, runs)
+from specdec.spec.proposer import MODEL, Proposer, ProposerUnavailable
+from specdec.spec.types import Commit, Decoded, Lookup, Proposal, RejectionOutput, runs
 from specdec.spec.sampling import SamplingConfig
 
 VOCAB, EOS = 50, 49

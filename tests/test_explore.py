@@ -16,7 +16,8 @@ from coordinator.gamma.bound import describe
 from coordinator.gamma.explore import (BUDGET_SHARE, LOOKUP_ROUND, MODEL_ROUND, PREFILL, Exploration, break_even,
                                        upper_acceptance, within_reach)
 from specdec.runtime.cost_curve import CostCurve
-from specdec.spec.proposer import MODEL, Lookup
+from specdec.spec.proposer import MODEL
+from specdec.spec.types import Lookup
 from tests.conftest import coordinator_stub
 from tests.test_end_to_end import generate
 from tests.test_gamma import round_record

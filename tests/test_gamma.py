@@ -9,7 +9,8 @@ import pytest
 from coordinator.rounds import RoundRecord
 from coordinator.gamma import Acceptance, Calibration, EwLinearFit, GammaController, GammaPriors, match_bucket, \
     regime
-from specdec.spec.proposer import MODEL, NGRAM, Lookup, runs
+from specdec.spec.proposer import MODEL, NGRAM
+from specdec.spec.types import Lookup, runs
 from specdec.spec.sampling import SamplingConfig
 
 GAMMA_MAX = 8
@@ -359,7 +360,7 @@ def test_speculation_turns_off_under_load_and_back_on_when_it_falls():
         load.leave()
     assert controller.best() >= 1                          # alone again
     # Another coordinator's load, as the verifier reports it, fades once its replies stop.
-    from specdec.spec.proposer import BatchLoad
+    from specdec.spec.types import BatchLoad
     for _ in range(20):
         load.observe(BatchLoad(forwards=1, mean_rows=8.0, mean_calls=8.0))
     assert controller.calls() > 7 and controller.best() == 0

@@ -12,7 +12,8 @@ from tests.conftest import wait_for
 from coordinator.clients import DrafterClient, RemoteDraftProposer
 from specdec.spec.hybrid import HybridProposer
 from specdec.spec.ngram import RecentOutputs
-from specdec.spec.proposer import MODEL, NGRAM, Commit
+from specdec.spec.proposer import MODEL, NGRAM
+from specdec.spec.types import Commit
 from specdec.spec.sampling import SamplingConfig
 from specdec.v1 import common_pb2
 from specdec.spec.wire import Truncation

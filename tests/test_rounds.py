@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from coordinator.rounds import RoundRecord
-from specdec.spec.proposer import MODEL, NGRAM, judged, runs
+from specdec.spec.proposer import MODEL, NGRAM
+from specdec.spec.types import judged, runs
 
 
 def test_a_mixed_round_splits_into_its_lookup_and_model_parts():

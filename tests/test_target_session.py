@@ -6,7 +6,7 @@ import torch
 from specdec.spec.sampling import SamplingConfig
 from verifier.target_session import TargetSession
 from tests.test_draft_session import greedy_continuation
-from tests.test_kv_cache import PROMPT, full_logits
+from tests.test_sequence import PROMPT, full_logits
 
 
 def count_fed_tokens(loaded) -> tuple[list[int], object]:

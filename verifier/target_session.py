@@ -8,7 +8,7 @@ from specdec.rpc.errors import InvalidArgument
 from specdec.runtime.sequence import SequenceCache, Steps, drive
 from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.models import LoadedModel
-from specdec.spec.proposer import RejectionOutput
+from specdec.spec.types import RejectionOutput
 from specdec.spec.rejection import greedy_accept, rejection_sample, synthetic_num_accepted
 from specdec.spec.sampling import SamplingConfig
 from specdec.spec.transform import make_generator, sample_from, scores_to_probs, transform_logits

@@ -5,7 +5,7 @@ import math
 import threading
 import time
 
-from specdec.spec.proposer import BatchLoad
+from specdec.spec.types import BatchLoad
 
 
 class ServiceLoad:

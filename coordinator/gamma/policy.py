@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from specdec.spec.proposer import MODEL, NGRAM, Lookup, Runs, runs
+from specdec.spec.proposer import MODEL, NGRAM
+from specdec.spec.types import Lookup, Runs, runs
 from specdec.spec.sampling import SamplingConfig
 
 from coordinator.gamma.acceptance import (MATCH_BUCKETS, Acceptance, Calibration, cumulative, lookup_acceptances,

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from specdec.spec.ngram import MAX_MATCH, NgramIndex, RecentOutputs
-from specdec.spec.proposer import NGRAM, Commit, Lookup, Proposal, Proposer, runs
+from specdec.spec.proposer import NGRAM, Proposer
+from specdec.spec.types import Commit, Lookup, Proposal, runs
 from specdec.spec.sampling import SamplingConfig
 from specdec.spec.wire import ONE_HOT
 

@@ -13,7 +13,7 @@ import threading
 from collections import deque
 from typing import Sequence
 
-from specdec.spec.proposer import Lookup
+from specdec.spec.types import Lookup
 
 NGRAM_SIZES = (8, 4, 2, 1)  # tried longest first; a hit's match is then measured exactly, up to MAX_MATCH
 MAX_MATCH = 32

@@ -9,33 +9,12 @@ distributions they were sampled from.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 from typing import Sequence
 
 from specdec.spec.sampling import SamplingConfig
-from specdec.spec.wire import DraftProbs
+from specdec.spec.types import Commit, Lookup, Proposal
 
 MODEL, NGRAM = "model", "ngram"  # the draft sources this package has: the draft model, n-gram lookups
-
-# A draft by source: (source name, tokens) runs in draft order, e.g. a lookup's
-# tokens and then the model's after them. Every count per source is keyed so.
-Runs = tuple[tuple[str, int], ...]
-
-
-def runs(*pairs: tuple[str, int]) -> Runs:
-    """The (source, tokens) pairs that drafted anything, in order."""
-    return tuple((source, n) for source, n in pairs if n > 0)
-
-
-def judged(draft: Runs, accepted: int) -> list[tuple[str, int, int]]:
-    """(source, drafted, accepted) per run: the rejection sampler keeps a prefix,
-    so a run is accepted up to where the first rejection fell."""
-    out, offset = [], 0
-    for source, n in draft:
-        out.append((source, n, max(0, min(n, accepted - offset))))
-        offset += n
-    return out
-
 
 class ProposerUnavailable(Exception):
     """The proposer cannot go on with this generation (its service died, lost
@@ -46,76 +25,6 @@ class ProposerUnavailable(Exception):
     def __init__(self, reason: str, code=None):
         super().__init__(reason)
         self.code = code  # the grpc.StatusCode behind it, when there is one
-
-
-@dataclass(frozen=True)
-class Commit:
-    """The outcome of the previous round, as the proposer must learn it."""
-    num_accepted: int                          # drafted tokens the verifier kept
-    target_token_ids: tuple[int, ...] = ()     # recovered/bonus token, and any target-only tokens since
-
-
-@dataclass(frozen=True)
-class BatchLoad:
-    """What a model service's batching scheduler did for one call: how full the
-    forwards it shared were, and how long it waited for them."""
-    forwards: int = 0
-    mean_rows: float = 0.0     # rows per forward, every call's
-    mean_calls: float = 0.0    # calls per forward, itself included (1: it ran alone)
-    queue_ms: float = 0.0
-
-    @classmethod
-    def from_proto(cls, batch) -> "BatchLoad":
-        n = batch.forwards
-        return cls(n, batch.rows / n, batch.calls / n, batch.queue_ms) if n else cls()
-
-
-@dataclass(frozen=True)
-class Lookup:
-    """A free draft candidate: what followed the latest earlier occurrence of the
-    context's suffix, and how many tokens of the context that occurrence matches."""
-    token_ids: tuple[int, ...] = ()
-    match_length: int = 0
-
-
-@dataclass(frozen=True)
-class Proposal:
-    token_ids: tuple[int, ...]                 # [n]: the n-gram prefix, then the model's drafts
-    # [n] when temperature > 0: the exact distribution each token was sampled
-    # from, as it travels (sparse, dense, or one-hot for a lookup's; specdec.spec.wire).
-    draft_probs: tuple[DraftProbs, ...] = ()
-    confidences: tuple[float, ...] = ()        # the model's, one per token it drafted
-    batch: BatchLoad = BatchLoad()             # a model proposer's service: its batching
-    sources: Runs = ()                         # who drafted which: runs summing to n
-
-    def __post_init__(self):
-        assert sum(n for _, n in self.sources) == len(self.token_ids), (self.sources, len(self.token_ids))
-
-    def tokens_from(self, source: str) -> int:
-        return sum(n for name, n in self.sources if name == source)
-
-
-@dataclass(frozen=True)
-class RejectionOutput:
-    """The rejection sampler's outcome for one proposal: made in the verifier
-    (specdec.spec.rejection), and as the coordinator receives it (with the batching
-    the call shared, and what its draft weighed on the wire)."""
-    num_accepted: int     # draft tokens kept, a prefix of the proposal (0..gamma)
-    next_token_id: int    # the target's own token after them: recovered, or bonus when all were accepted
-    bonus: bool           # every draft was accepted
-    batch: BatchLoad = BatchLoad()
-    draft_bytes: int = 0  # the draft data sent to the verifier: token ids and probabilities, serialized
-
-    def output_token_ids(self, draft_token_ids: Sequence[int]) -> list[int]:
-        """[num_accepted + 1]: the accepted drafts, then the recovered or bonus token."""
-        return [*(int(t) for t in draft_token_ids[: self.num_accepted]), self.next_token_id]
-
-
-@dataclass(frozen=True)
-class Decoded:
-    """Target-only tokens from one Decode call."""
-    token_ids: list[int]
-    batch: BatchLoad = BatchLoad()
 
 
 class Proposer(abc.ABC):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.spec.proposer import RejectionOutput
+from specdec.spec.types import RejectionOutput
 from specdec.spec.transform import sample_from
 
 
