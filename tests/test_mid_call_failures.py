@@ -14,7 +14,7 @@ import drafter.service
 import verifier.service
 from specdec.runtime import torch_thread
 from specdec.runtime.batching import Scheduler, lean_batch_forward
-from specdec.runtime.lean import CHUNK
+from specdec.runtime.kv_cache import CHUNK
 from specdec.spec.sampling import SamplingConfig
 from specdec.rpc.serving import channel
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
