@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = CoordinatorConfig(
             drafter=args.drafter, verifier=args.verifier, proposer=args.proposer, gamma=args.gamma,
-            gamma_max=args.gamma_max, metrics_port=args.metrics_port, max_new_tokens=args.max_new_tokens,
+            gamma_max=args.gamma_max, metrics_port=args.metrics_port, http_port=args.http_port,
+            max_new_tokens=args.max_new_tokens,
             connect_timeout_s=args.connect_timeout, max_sessions=args.max_sessions,
             max_message_bytes=args.max_message_bytes, log_prompts=args.log_prompts, tls=server_tls(args),
             drafter_timeout_s=args.drafter_timeout, watch=watch_settings(args.session_lease),
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
         log.error("refusing to start: %s", exc)
         print(f"coordinator: refusing to start: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
-    print(f"coordinator SERVING on {running.address}", flush=True)
+    print(f"coordinator SERVING on {running.address}" + (f" http={running.http_port}" if running.http_port else ""),
+          flush=True)
     run_until_signal(running, grace_s=args.grace_period, on_stop=backends.close, stopping=stopping)
 
 

@@ -136,21 +136,27 @@ class VerifierClient(ModelClient):
                          timeout).prefix_cached_tokens
 
     def verify(self, session_id: str, proposal: Proposal, sampling: SamplingConfig,
-               timeout: float | None = None) -> RejectionOutput:
+               timeout: float | None = None, logprobs: int | None = None) -> RejectionOutput:
+        """`logprobs` set: the output tokens' TokenLogprobs come back too, with that many top tokens."""
         draft = verifier_pb2.VerifyRequest(draft_token_ids=proposal.token_ids,
                                            draft_probs=draft_probs_to_proto(proposal.draft_probs))
         draft_bytes = draft.ByteSize()  # the draft's share of the request: its ids and probabilities
         draft.session_id = session_id
         draft.sampling.CopyFrom(sampling_to_proto(sampling))
+        if logprobs is not None:
+            draft.logprobs = logprobs
         reply = self.call("Verify", draft, timeout)
         return RejectionOutput(reply.num_accepted, reply.next_token_id, reply.bonus, BatchLoad.from_proto(reply.batch),
-                       draft_bytes)
+                               draft_bytes, tuple(reply.logprobs))
 
     def decode(self, session_id: str, num_tokens: int, sampling: SamplingConfig,
-               timeout: float | None = None) -> Decoded:
-        reply = self.call("Decode", verifier_pb2.DecodeRequest(
-            session_id=session_id, num_tokens=num_tokens, sampling=sampling_to_proto(sampling)), timeout)
-        return Decoded(list(reply.token_ids), BatchLoad.from_proto(reply.batch))
+               timeout: float | None = None, logprobs: int | None = None) -> Decoded:
+        request = verifier_pb2.DecodeRequest(session_id=session_id, num_tokens=num_tokens,
+                                             sampling=sampling_to_proto(sampling))
+        if logprobs is not None:
+            request.logprobs = logprobs
+        reply = self.call("Decode", request, timeout)
+        return Decoded(list(reply.token_ids), BatchLoad.from_proto(reply.batch), tuple(reply.logprobs))
 
 
 class DrafterClient(ModelClient):

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 from specdec.rpc.errors import Cancelled, DeadlineExceeded
 from specdec.spec.proposer import MODEL, NGRAM, Proposer, ProposerUnavailable
-from specdec.spec.types import Commit, Lookup, Proposal, RejectionOutput
+from specdec.spec.types import Commit, Decoded, Lookup, Proposal, RejectionOutput
 from specdec.spec.sampling import SamplingConfig
 from specdec.rpc import telemetry
 
@@ -27,6 +27,8 @@ from coordinator.output import Delta, OutputAccumulator
 from coordinator.rounds import RoundRecord
 from coordinator.stats import Stats
 
+# A round's output: its tokens, and (when the request asks) their TokenLogprobs, one each.
+Emitted = tuple[list[int], tuple]
 DECODE_CHUNK = 16  # target-only tokens per Decode call (one streamed message each)
 FIXED_MIN_MATCH = 3  # fixed γ: a lookup backed by this many context tokens drafts before the model
 
@@ -51,6 +53,7 @@ class GenerationRequest:
     confidence_stop: bool = False   # adaptive: the drafter may end a round early (GammaController.min_confidence)
     proposer: str = ""              # "hybrid", "model" or "ngram"; "": the server's default
     cache_salt: bytes = b""         # the prefix caches reuse only blocks kept under the same salt
+    logprobs: int | None = None     # each output token's TokenLogprob, with this many top tokens (None: not asked)
 
 
 @dataclass
@@ -93,8 +96,9 @@ class SpeculativeEngine:
         started = time.perf_counter()
         self.load.enter()
         try:
-            for new_tokens in self._all_rounds(g, started):
-                delta = g.output.add(new_tokens)
+            for new_tokens, logprobs in self._all_rounds(g, started):
+                delta = g.output.add(new_tokens, logprobs)
+                stats.logprob_bytes += sum(entry.ByteSize() for entry in logprobs)
                 stats.output_tokens = len(g.output.token_ids)
                 stats.total_ms = (time.perf_counter() - started) * 1e3
                 if not stats.first_token_ms:
@@ -112,7 +116,7 @@ class SpeculativeEngine:
                 proposer.end()
             self.verifier.end_session(g.session_id)
 
-    def _all_rounds(self, g: "Generation", started: float) -> Iterator[list[int]]:
+    def _all_rounds(self, g: "Generation", started: float) -> Iterator[Emitted]:
         # 1. The target's prefill, and its first token alone: the time to the first
         #    token is target-only's. The proposer prefills after it, not at the same
         #    time: on the same cores each model's thread team oversubscribed them (the
@@ -125,10 +129,10 @@ class SpeculativeEngine:
             # The session caches all but the prompt's last token; the forward over it is
             # the rest of the prefill, and its token is the first (not a round).
             first = self._observe_load(self.verifier.decode(g.session_id, 1, g.request.sampling,
-                                                            g.timeout())).token_ids
+                                                            g.timeout(), g.request.logprobs))
             g.stats.prefill_ms = (time.perf_counter() - started) * 1e3
-            yield first
-            g.context = [*g.request.prompt_ids, *first]
+            yield first.token_ids, first.logprobs
+            g.context = [*g.request.prompt_ids, *first.token_ids]
             # 2-3. Whether the model drafts at all, and the proposer's prefill.
             self._start_proposer(g)
         else:
@@ -209,7 +213,7 @@ class SpeculativeEngine:
         self.on_proposer_failure(exc)
         self._without_model(g, str(exc))
 
-    def _speculative_rounds(self, g: "Generation") -> Iterator[list[int]]:
+    def _speculative_rounds(self, g: "Generation") -> Iterator[Emitted]:
         try:
             while g.proposer is not None:
                 try:
@@ -224,7 +228,7 @@ class SpeculativeEngine:
             if g.controller is not None:
                 self.gamma_priors.finish(g.request.sampling, g.controller.state)
 
-    def _rounds(self, g: "Generation") -> Iterator[list[int]]:
+    def _rounds(self, g: "Generation") -> Iterator[Emitted]:
         request, proposer, controller, stats = g.request, g.proposer, g.controller, g.stats
         commit: Commit | None = None  # what the proposer has not yet been told
         while True:
@@ -259,12 +263,12 @@ class SpeculativeEngine:
                     steps = 1 if controller is None else \
                         controller.decode_steps(min(DECODE_CHUNK, limit + 1), proposer.looks_up)
                     decoded = self._observe_load(self.verifier.decode(g.session_id, steps, request.sampling,
-                                                                      g.timeout()))
+                                                                      g.timeout(), request.logprobs))
                     target_ids = decoded.token_ids
-                    result = RejectionOutput(0, decoded.token_ids[-1], False, decoded.batch)
+                    result = RejectionOutput(0, decoded.token_ids[-1], False, decoded.batch, logprobs=decoded.logprobs)
                 else:
                     result = self._observe_load(self.verifier.verify(g.session_id, proposal, request.sampling,
-                                                                     g.timeout()))
+                                                                     g.timeout(), request.logprobs))
                     target_ids = [result.next_token_id]
                 verify_ms = (time.perf_counter() - started) * 1e3
                 # 4. The round's tokens: accepted drafts, then the recovered or bonus token (or the decoded ones).
@@ -289,7 +293,7 @@ class SpeculativeEngine:
                 if record.index == 0:  # what the prefills before it took from the prefix caches
                     span.set_attributes({"specdec.prefix_cached_tokens": stats.prefix_cached_tokens,
                                          "specdec.draft.prefix_cached_tokens": stats.draft_prefix_cached_tokens})
-            yield new_tokens
+            yield new_tokens, result.logprobs
 
     def _observe_load(self, reply):
         """A verifier reply's batching: the load every request's γ plans with."""
@@ -303,24 +307,25 @@ class SpeculativeEngine:
             stats.gamma = record.gamma  # adaptive: the γ of the latest round
             controller.observe(record)
 
-    def _target_only_rounds(self, g: "Generation") -> Iterator[list[int]]:
+    def _target_only_rounds(self, g: "Generation") -> Iterator[Emitted]:
         # The first token alone, so it streams as soon as it is decided; then chunks.
         chunk = 1 if not g.output.token_ids else DECODE_CHUNK
         while True:
-            yield self._decode(g, min(chunk, g.request.max_new_tokens - len(g.output.token_ids)))
+            decoded = self._decode(g, min(chunk, g.request.max_new_tokens - len(g.output.token_ids)))
+            yield decoded.token_ids, decoded.logprobs
             chunk = DECODE_CHUNK
 
-    def _decode(self, g: "Generation", num_tokens: int) -> list[int]:
+    def _decode(self, g: "Generation", num_tokens: int) -> Decoded:
         started = time.perf_counter()
         decoded = self._observe_load(self.verifier.decode(g.session_id, num_tokens, g.request.sampling,
-                                                          g.timeout()))
+                                                          g.timeout(), g.request.logprobs))
         # Not a speculation round: the stats count it, the round metrics do not (but its batching).
         g.stats.record(RoundRecord(g.stats.rounds, 0, 0, 0, False, verify_ms=(time.perf_counter() - started) * 1e3,
                                    verify_batch_rows=decoded.batch.mean_rows,
                                    verify_batch_calls=decoded.batch.mean_calls,
                                    verify_queue_ms=decoded.batch.queue_ms))
         self.metrics.observe_batch(decoded.batch.mean_rows, decoded.batch.queue_ms)
-        return decoded.token_ids
+        return decoded
 
 
 @dataclass

@@ -12,7 +12,7 @@ text it covers has been sent, so its ids always add up to the unary response's.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from transformers import PreTrainedTokenizerBase
@@ -29,6 +29,7 @@ class Delta:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None
+    logprobs: list = field(default_factory=list)   # one per token id, when the request asked
 
 
 class OutputAccumulator:
@@ -40,6 +41,7 @@ class OutputAccumulator:
         self.stop = tuple(stop)
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
+        self.logprobs: list = []   # the token ids', when each round brings them
         self.text = ""
         self.finish_reason: FinishReason | None = None
         self._sent_tokens = 0
@@ -48,13 +50,16 @@ class OutputAccumulator:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def add(self, new_ids: Sequence[int]) -> Delta:
+    def add(self, new_ids: Sequence[int], logprobs: Sequence = ()) -> Delta:
+        """`logprobs`: one per id of `new_ids`, or none; they follow their ids out."""
         assert self.finish_reason is None, "generation already finished"
-        for token in new_ids:
+        for i, token in enumerate(new_ids):
             if token in self.eos:                   # EOS ends it and is not part of the output
                 self.finish_reason = FinishReason.EOS
                 break
             self.token_ids.append(int(token))
+            if logprobs:
+                self.logprobs.append(logprobs[i])
             if len(self.token_ids) >= self.max_new_tokens:
                 self.finish_reason = FinishReason.LENGTH
                 break
@@ -70,6 +75,7 @@ class OutputAccumulator:
             return
         self.text = self.text[:min(hits)]
         del self.token_ids[self._covering(len(self.text)):]
+        del self.logprobs[len(self.token_ids):]
         self.finish_reason = FinishReason.STOP
 
     def _covering(self, chars: int) -> int:
@@ -91,6 +97,6 @@ class OutputAccumulator:
             # Only a stop string can take ids back: without one, every id goes out at once.
             tokens = self._covering(safe) if self.stop else len(self.token_ids)
         delta = Delta(self.token_ids[self._sent_tokens : tokens], self.text[self._sent_chars : safe],
-                      self.finish_reason)
+                      self.finish_reason, self.logprobs[self._sent_tokens : tokens])
         self._sent_tokens, self._sent_chars = tokens, safe
         return delta

@@ -21,6 +21,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 PROPOSER_KINDS = {coordinator_pb2.PROPOSER_KIND_UNSPECIFIED: "",
                   **{coordinator_pb2.ProposerKind.Value(f"PROPOSER_KIND_{name.upper()}"): name for name in KINDS}}
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20   # as OpenAI's API (and the verifier) bound top_logprobs
 MAX_STOP_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
 MAX_CHAT_MESSAGES = 4096  # a conversation's turns; its size in tokens is bounded by the context anyway
@@ -163,9 +164,13 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
     if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidArgument(f"cache_salt has {len(request.cache_salt)} characters; at most "
                               f"{MAX_CACHE_SALT_CHARS} (a hash of what should keep caches apart is enough)")
+    if request.top_logprobs > MAX_TOP_LOGPROBS or (request.top_logprobs and not request.logprobs):
+        raise InvalidArgument(f"top_logprobs={request.top_logprobs}: at most {MAX_TOP_LOGPROBS}, and only with "
+                              "logprobs set")
     return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop, adaptive, request.ignore_eos,
                              confidence_stop, PROPOSER_KINDS[request.speculation.proposer],
-                             request.cache_salt.encode("utf-8"))
+                             request.cache_salt.encode("utf-8"),
+                             request.top_logprobs if request.logprobs else None)
 
 
 def prefix_salt(request_salt: bytes, caller: str, shared: bool) -> bytes:
@@ -177,7 +182,8 @@ def prefix_salt(request_salt: bytes, caller: str, shared: bool) -> bytes:
 
 
 def update_to_proto(update: Update, with_stats: bool) -> coordinator_pb2.GenerateResponse:
-    response = coordinator_pb2.GenerateResponse(text=update.delta.text, token_ids=update.delta.token_ids)
+    response = coordinator_pb2.GenerateResponse(text=update.delta.text, token_ids=update.delta.token_ids,
+                                                logprobs=update.delta.logprobs)
     if with_stats and update.delta.finish_reason is not None:
         response.finish_reason = int(update.delta.finish_reason)
         response.stats.CopyFrom(stats_to_proto(update.stats))

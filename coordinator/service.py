@@ -59,6 +59,7 @@ class CoordinatorConfig:
     max_new_tokens: int = 128
     connect_timeout_s: float = 300.0
     metrics_port: int | None = None  # Prometheus /metrics on this port (0 picks one); None = off
+    http_port: int | None = None     # the OpenAI-compatible HTTP front on this port (0 picks one); None = off
     max_sessions: int = 64           # Generate calls served at once; beyond, RESOURCE_EXHAUSTED
     max_message_bytes: int = MAX_PUBLIC_MESSAGE_BYTES
     tls: ServerTls | None = None     # the public port's TLS (mutual with tls.client_ca)
@@ -220,7 +221,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self._in_flight += 1
             self.metrics.in_flight.set(self._in_flight)
 
-    def _updates(self, request, context):
+    def updates(self, request, context):
+        """A GenerateRequest's updates, one per round (the last with its finish reason):
+        what Generate, GenerateStream and the HTTP front (coordinator.http_server, with
+        an HttpCall for `context`) all serve."""
         self._admit()
         try:
             yield from self._generate(request, context)
@@ -274,17 +278,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         log.info("%s", line)
 
     def Generate(self, request, context) -> coordinator_pb2.GenerateResponse:
-        text, token_ids, last = [], [], None
-        for update in self._updates(request, context):
+        text, token_ids, logprobs, last = [], [], [], None
+        for update in self.updates(request, context):
             text.append(update.delta.text)
             token_ids += update.delta.token_ids
+            logprobs += update.delta.logprobs
             last = update
         response = update_to_proto(last, with_stats=True)
         response.text, response.token_ids[:] = "".join(text), token_ids
+        del response.logprobs[:]
+        response.logprobs.extend(logprobs)
         return response
 
     def GenerateStream(self, request, context):
-        for update in self._updates(request, context):
+        for update in self.updates(request, context):
             if update.delta.text or update.delta.token_ids:
                 yield update_to_proto(update, with_stats=False)
             if update.delta.finish_reason is not None:
@@ -307,6 +314,13 @@ def serve(config: CoordinatorConfig, host: str = "127.0.0.1", port: int = 0) -> 
         running.metrics_port = http_server.server_port
         log.info("metrics on http://%s:%d/metrics", host, running.metrics_port)
     running.drain = servicer.drain
+    if config.http_port is not None:   # the OpenAI-compatible front: the same servicer, its own port
+        from coordinator.http_server import HttpFront, build_app
+        front = HttpFront(build_app(servicer, backends.target_info.model, config.auth_token), host,
+                          config.http_port, config.tls)
+        running.http_port = front.port
+        running.on_stop = front.stop
+        log.info("OpenAI-compatible HTTP API on http%s://%s:%d/v1", "s" if config.tls else "", host, front.port)
     # The coordinator is ready exactly when its verifier is.
     backends.verifier_watch.on_change(running.set_serving)
     running.set_serving(backends.verifier_watch.up)

@@ -64,6 +64,9 @@ SETTINGS: tuple[Setting, ...] = (
     S("--trace-file", dict(help="also write spans as OTLP-JSON lines to this file (tracing is off unless this or "
                                 "OTEL_EXPORTER_OTLP_ENDPOINT is set)")),
     S("--metrics-port", dict(type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics"), up=True),
+    S("--http-port", dict(type=int, help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
+                                         "/v1/completions, /v1/models, /health) on this port, beside gRPC (0 picks "
+                                         "one; off unless set)"), up=True, chart=True),
     S("--connect-timeout", dict(type=float, default=300.0,
                                 help="seconds to wait for the drafter and verifier to be SERVING"), chart=True),
     S("--max-sessions", dict(type=int, default=64, help="Generate calls served at once; beyond it, RESOURCE_EXHAUSTED"),

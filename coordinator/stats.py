@@ -39,6 +39,7 @@ class Stats:
     drafting_rounds: int = 0
     synthetic_acceptance: float = 0.0  # the verifier's benchmark setting: this output is not the target's
     probes: dict[str, ProbeCount] = field(default_factory=dict)  # exploration taken, per kind (explore.py)
+    logprob_bytes: int = 0         # the TokenLogprobs the verifier sent, when the request asked
 
     def record(self, round: RoundRecord) -> None:
         self.rounds += 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import socket
 import sys
 import threading
 
@@ -25,9 +26,23 @@ from specdec.rpc.serving import channel
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 
+DEFAULT_HTTP_PORT = 8000
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from specdec_tools import launcher  # the server side: models, torch
     pair = PAIRS[args.pair]
+    if args.http_port is None:   # the OpenAI-compatible API is on: at vLLM's 8000 where that is free
+        args.http_port = DEFAULT_HTTP_PORT if port_free(args.host, DEFAULT_HTTP_PORT) else 0
     options = launcher.StackOptions.for_pair(
         pair, draft_model=args.draft_model, target_model=args.target_model, draft_quantize=args.draft_quantize,
         target_quantize=args.target_quantize, forward=args.forward,
@@ -49,6 +64,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         say(f"coordinator on {coordinator.address} (draft {options.draft_model}, target {options.target_model}); "
             "Ctrl-C stops all three")
         say(f"drafter on {stack.child('drafter').address}, verifier on {stack.child('verifier').address}")
+        if coordinator.http_port:
+            say(f"OpenAI-compatible API on http://{args.host}:{coordinator.http_port}/v1")
         # Like a process manager: a child that exits is restarted; only a signal stops the stack.
         supervisor = launcher.Supervisor(stack.children, lambda message: say(message, error=True))
         while not stopping.wait(0.5):

@@ -34,6 +34,7 @@ class Child:
     args: list[str]
     process: subprocess.Popen | None = None
     address: str = ""
+    http_port: int | None = None    # the coordinator's OpenAI-compatible front, from its SERVING line
     serving: threading.Event = field(default_factory=threading.Event)
     started_at: float = 0.0
     restarts: int = 0
@@ -56,7 +57,9 @@ class Child:
         def read() -> None:
             for line in process.stdout:  # keep draining, so a chatty child never blocks
                 if not serving.is_set() and " SERVING on " in line:
-                    self.address = line.split(" SERVING on ", 1)[1].split()[0]
+                    words = line.split(" SERVING on ", 1)[1].split()
+                    self.address = words[0]
+                    self.http_port = next((int(w[5:]) for w in words[1:] if w.startswith("http=")), None)
                     serving.set()
 
         threading.Thread(target=read, daemon=True).start()
@@ -66,6 +69,8 @@ class Child:
         """A restart must come back where its clients look: the port it got, not port 0."""
         if "--port" in self.args and not self.address.startswith("unix:"):
             self.args[self.args.index("--port") + 1] = self.address.rsplit(":", 1)[1]
+        if "--http-port" in self.args and self.http_port:
+            self.args[self.args.index("--http-port") + 1] = str(self.http_port)
 
 
 BACKEND_TOKEN_ENV = "SPECDEC_BACKEND_TOKEN"  # the stack's own token for its model services over TCP

@@ -142,6 +142,10 @@ def test_up_serves_the_models_on_private_sockets_and_restarts_what_dies(tmp_path
         addresses = dict(part.strip().split(" on ") for part in models_line.split(":", 1)[1].split(","))
         sockets = {name: address.removeprefix("unix:") for name, address in addresses.items()}
         assert set(sockets) == {"drafter", "verifier"} and all(a.startswith("unix:") for a in addresses.values())
+        # The OpenAI-compatible API is on too, at vLLM's port 8000 or, where that is taken, a free one.
+        http_url = up.stdout.readline().split("OpenAI-compatible API on ", 1)[1].strip()
+        with urllib.request.urlopen(http_url + "/models", timeout=10) as reply:
+            assert [m["id"] for m in json.load(reply)["data"]] == ["tiny-target"]
         directory = os.path.dirname(sockets["drafter"])
         assert os.stat(directory).st_mode & 0o777 == 0o700  # only this user can reach the model services
         for module in ("drafter", "verifier"):  # and they listen on no TCP port at all

@@ -43,7 +43,7 @@ class ScriptedVerifier:
         self.sessions[session_id] = list(prompt_ids)
         return 0
 
-    def decode(self, session_id, num_tokens, sampling, timeout=None) -> Decoded:
+    def decode(self, session_id, num_tokens, sampling, timeout=None, logprobs=None) -> Decoded:
         context = self.sessions[session_id]
         out = []
         for _ in range(num_tokens):
@@ -51,7 +51,7 @@ class ScriptedVerifier:
             context.append(out[-1])
         return Decoded(out)
 
-    def verify(self, session_id, proposal: Proposal, sampling, timeout=None) -> RejectionOutput:
+    def verify(self, session_id, proposal: Proposal, sampling, timeout=None, logprobs=None) -> RejectionOutput:
         context = self.sessions[session_id]
         self.drafted_rows.append(len(proposal.token_ids))
         accepted = 0

@@ -121,8 +121,12 @@ def test_the_service_exposes_only_the_coordinator():
     for name, values in VARIATIONS.items():
         docs = render(values)
         public = next(s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "rel-specdec")
-        assert [p["port"] for p in public["spec"]["ports"]] == [50051], name
-        assert public["spec"]["ports"][0]["targetPort"] == "grpc"
+        # gRPC, and the OpenAI-compatible HTTP API, each to the coordinator container's port of that name.
+        assert [(p["port"], p["targetPort"]) for p in public["spec"]["ports"]] == [(50051, "grpc"), (8000, "http")]
+        coordinator = next(c for d in by_kind(docs, "Deployment") for c in d["spec"]["template"]["spec"]["containers"]
+                           if c["name"] == "coordinator")
+        named = {p["name"]: p["containerPort"] for p in coordinator["ports"]}
+        assert named["http"] == 8000 and "--http-port=8000" in coordinator["args"], name
         model_ports = {50052, 50053, 50062, 50063}
         assert not model_ports & {p["port"] for p in public["spec"]["ports"]}
         if values.get("service", {}).get("headless"):

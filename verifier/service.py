@@ -10,7 +10,8 @@ from specdec.spec.limits import MAX_PROPOSE_TOKENS, validate_token_ids
 from specdec.runtime.models import LoadedModel
 from specdec.rpc.serving import RunningServer
 from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specdec.spec.wire import draft_probs_from_proto, sampling_from_proto
+from specdec.spec.transform import MAX_TOP_LOGPROBS
+from specdec.spec.wire import draft_probs_from_proto, logprobs_to_proto, sampling_from_proto
 from specdec.spec.draft_probs import draft_probs_tensor
 
 from verifier.target_session import TargetSession
@@ -45,20 +46,32 @@ class VerifierServicer(ModelServiceBase[TargetSession], verifier_pb2_grpc.Verifi
         def steps(session: TargetSession):
             # Per token (sparse, dense or one-hot: a round may mix sources), validated.
             draft_probs = None if sampling.greedy else draft_probs_tensor(entries, draft, self.loaded.vocab_size)
-            return (yield from session.verify_steps(draft, draft_probs, sampling, self.synthetic_acceptance))
+            return (yield from session.verify_steps(draft, draft_probs, sampling, self.synthetic_acceptance,
+                                                    logprobs))
 
+        logprobs = asked_logprobs(request)
         with self.session(request.session_id) as session:
             out, batch = self.run_call(steps(session))
         return verifier_pb2.VerifyResponse(num_accepted=out.num_accepted, next_token_id=out.next_token_id,
-                                           bonus=out.bonus, batch=batch)
+                                           bonus=out.bonus, batch=batch, logprobs=logprobs_to_proto(out.logprobs))
 
     def Decode(self, request, context) -> verifier_pb2.DecodeResponse:
         if not 0 < request.num_tokens <= MAX_DECODE_TOKENS:
             raise InvalidArgument(f"num_tokens must be in 1..{MAX_DECODE_TOKENS}, got {request.num_tokens}")
         sampling = sampling_from_proto(request.sampling)
+        logprobs, entries = asked_logprobs(request), []
         with self.session(request.session_id) as session:
-            tokens, batch = self.run_call(session.decode_steps(request.num_tokens, sampling))
-        return verifier_pb2.DecodeResponse(token_ids=tokens, batch=batch)
+            tokens, batch = self.run_call(session.decode_steps(request.num_tokens, sampling, logprobs, entries))
+        return verifier_pb2.DecodeResponse(token_ids=tokens, batch=batch, logprobs=logprobs_to_proto(entries))
+
+
+def asked_logprobs(request) -> int | None:
+    """A Verify's or Decode's `logprobs`: None when not asked, else the top tokens wanted."""
+    if not request.HasField("logprobs"):
+        return None
+    if request.logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"logprobs={request.logprobs}: at most {MAX_TOP_LOGPROBS} top tokens")
+    return request.logprobs
 
 
 def serve(loaded: LoadedModel, synthetic_acceptance: float = 0.0, **kwargs) -> RunningServer:

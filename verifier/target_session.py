@@ -2,6 +2,8 @@
 rejection sampler, roll the KV cache back to what was accepted."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from specdec.rpc.errors import InvalidArgument
@@ -11,7 +13,7 @@ from specdec.runtime.models import LoadedModel
 from specdec.spec.types import RejectionOutput
 from specdec.spec.rejection import greedy_accept, rejection_sample, synthetic_num_accepted
 from specdec.spec.sampling import SamplingConfig
-from specdec.spec.transform import make_generator, sample_from, scores_to_probs, transform_logits
+from specdec.spec.transform import make_generator, sample_from, scores_to_probs, token_logprobs, transform_logits
 
 
 class TargetSession:
@@ -51,9 +53,11 @@ class TargetSession:
         return drive(self.verify_steps(draft_token_ids, draft_probs, sampling))
 
     def verify_steps(self, draft_token_ids: list[int], draft_probs: torch.Tensor | None,
-                     sampling: SamplingConfig, synthetic_acceptance: float = 0.0) -> Steps[RejectionOutput]:
+                     sampling: SamplingConfig, synthetic_acceptance: float = 0.0,
+                     logprobs: int | None = None) -> Steps[RejectionOutput]:
         """`synthetic_acceptance` > 0: the benchmark setting (not lossless) that keeps each
-        draft at that rate whatever the models say (rejection.synthetic_num_accepted)."""
+        draft at that rate whatever the models say (rejection.synthetic_num_accepted).
+        `logprobs` set: each output token's logprob and that many top ones (`token_logprobs`)."""
         gamma = len(draft_token_ids)
         self._check_room(gamma + 1)
         base = len(self.seq)
@@ -76,6 +80,9 @@ class TargetSession:
             assert draft_probs is not None
             out = rejection_sample(draft, draft_probs.to(scores.device), scores_to_probs(scores),
                                    self._generator(sampling))
+        if logprobs is not None:   # rows 0..accepted drew the output tokens: no forward more
+            out = dataclasses.replace(out, logprobs=tuple(token_logprobs(
+                scores[:out.num_accepted + 1], out.output_token_ids(draft_token_ids), logprobs)))
         # 4. Roll back to the accepted prefix; the recovered/bonus token is fed next round.
         self.seq.truncate(base + out.num_accepted)
         self.seq.append([out.next_token_id])
@@ -84,8 +91,10 @@ class TargetSession:
     def decode(self, num_tokens: int, sampling: SamplingConfig) -> list[int]:
         return drive(self.decode_steps(num_tokens, sampling))
 
-    def decode_steps(self, num_tokens: int, sampling: SamplingConfig) -> Steps[list[int]]:
-        """Plain target-only decoding, a Forward step a token; stops after an EOS token."""
+    def decode_steps(self, num_tokens: int, sampling: SamplingConfig, logprobs: int | None = None,
+                     logprobs_out: list | None = None) -> Steps[list[int]]:
+        """Plain target-only decoding, a Forward step a token; stops after an EOS token.
+        `logprobs` set: each token's `token_logprobs` row is appended to `logprobs_out`."""
         self._check_room(num_tokens)
         out: list[int] = []
         for _ in range(num_tokens):
@@ -95,6 +104,8 @@ class TargetSession:
                 token = int(scores[0].argmax())
             else:
                 token = sample_from(scores_to_probs(scores)[0], self._generator(sampling))
+            if logprobs is not None:
+                logprobs_out.extend(token_logprobs(scores, [token], logprobs))
             self.seq.append([token])
             out.append(token)
             if token in self.loaded.eos_token_ids:

@@ -60,6 +60,7 @@ class RunningServer:
     service_names: tuple[str, ...]
     address: str = ""               # what clients dial: HOST:PORT, or unix:PATH
     metrics_port: int | None = None  # the coordinator's Prometheus endpoint, when on
+    http_port: int | None = None     # the coordinator's OpenAI-compatible HTTP front, when on
     # Waits (up to the given seconds) for handlers still unwinding after the server stopped.
     drain: Callable[[float], bool] | None = None
     health_server: grpc.Server | None = None  # the health-only listener, when --health-port is set

@@ -95,3 +95,23 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
     if index >= probs.shape[0]:  # point == total: only reachable by rounding
         index = int(probs.nonzero()[-1])
     return index
+
+
+LOGPROB_FLOOR = -9999.0  # a token the transform removed: OpenAI's API writes this, not -inf
+MAX_TOP_LOGPROBS = 20
+
+
+def token_logprobs(scores: torch.Tensor, token_ids: Sequence[int], top: int) -> list[tuple]:
+    """[N, V] transformed scores (row i: the distribution token i was drawn from) ->
+    per row (token id, its log-probability, ((id, logprob) of the `top` most likely,
+    most likely first)). Greedy scores carry the penalties alone: their softmax is the
+    distribution at temperature 1, which is what a greedy request's logprobs report."""
+    logprobs = torch.log_softmax(scores.float(), dim=-1).clamp(min=LOGPROB_FLOOR)        # [N, V]
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=scores.device)
+    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+    best = logprobs.topk(top, dim=-1) if top else None
+    out = []
+    for i, token in enumerate(token_ids):
+        pairs = () if best is None else tuple(zip(best.indices[i].tolist(), best.values[i].tolist()))
+        out.append((int(token), chosen[i], pairs))
+    return out

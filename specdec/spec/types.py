@@ -86,6 +86,9 @@ class RejectionOutput:
     bonus: bool           # every draft was accepted
     batch: BatchLoad = BatchLoad()
     draft_bytes: int = 0  # the draft data sent to the verifier: token ids and probabilities, serialized
+    # When asked: the target's TokenLogprob of each output token (the accepted drafts', then
+    # next_token_id's): (id, logprob, top) rows in the verifier, their protos in the coordinator.
+    logprobs: tuple = ()
 
     def output_token_ids(self, draft_token_ids: Sequence[int]) -> list[int]:
         """[num_accepted + 1]: the accepted drafts, then the recovered or bonus token."""
@@ -97,3 +100,4 @@ class Decoded:
     """Target-only tokens from one Decode call."""
     token_ids: list[int]
     batch: BatchLoad = BatchLoad()
+    logprobs: tuple = ()   # when asked: one TokenLogprob per token

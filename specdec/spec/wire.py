@@ -79,3 +79,9 @@ def draft_probs_to_proto(entries: Sequence[DraftProbs]) -> list[common_pb2.Draft
 
 def draft_probs_from_proto(messages) -> tuple[DraftProbs, ...]:
     return tuple(DraftProbs(tuple(m.token_ids), m.probs_fp16) for m in messages)
+
+
+def logprobs_to_proto(entries: Sequence[tuple]) -> list[common_pb2.TokenLogprob]:
+    """transform.token_logprobs' rows as they travel."""
+    return [common_pb2.TokenLogprob(token_id=token, logprob=logprob, top_logprobs=[
+        common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top]) for token, logprob, top in entries]

@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -19,6 +19,24 @@ class SamplingParams(_message.Message):
     repetition_penalty: float
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model", "dtype", "device", "quantization", "vocab_size", "model_vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "active_sessions", "max_propose_tokens", "forward_ms", "prefill_ms_per_token", "forwards", "forward_rows", "pending_calls", "kv_tokens_used", "kv_tokens_budget", "session_ttl_s", "kernel_choices", "prefix_cache_blocks", "prefix_cache_tokens", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "synthetic_acceptance", "sessions_ended_by_lease", "sessions_reaped_idle")

@@ -171,6 +171,9 @@ livenessProbe:
     {{- end }}
     - --host=0.0.0.0
     - --port={{ $c.port }}
+    {{- if $c.httpPort }}
+    - --http-port={{ $c.httpPort }}
+    {{- end }}
     - --health-port={{ $c.healthPort }}
     - --health-host=0.0.0.0
     - --gamma={{ $c.gamma }}
@@ -202,6 +205,9 @@ livenessProbe:
     {{- end }}
   ports:
     - {name: grpc, containerPort: {{ $c.port }}, protocol: TCP}
+    {{- if $c.httpPort }}
+    - {name: http, containerPort: {{ $c.httpPort }}, protocol: TCP}
+    {{- end }}
     - {name: coord-health, containerPort: {{ $c.healthPort }}, protocol: TCP}
     {{- if .Values.metrics.enabled }}
     - {name: metrics, containerPort: {{ .Values.metrics.port }}, protocol: TCP}

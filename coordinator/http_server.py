@@ -1,0 +1,251 @@
+"""The OpenAI-compatible HTTP front: `POST /v1/chat/completions`,
+`POST /v1/completions` (unary, or server-sent events with `stream: true`),
+`GET /v1/models`, `GET /health`.
+
+FastAPI on uvicorn, in a thread of the coordinator's process, calling the same
+servicer as `Generate` (admission, limits, speculation, traces, metrics: all one
+path). The servicer's calls are synchronous, so each request's generation runs
+on a worker thread, one `next()` at a time; a client that disconnects is told to
+the engine, which stops within a round and ends both sessions. Errors come in
+OpenAI's shape with the status `openai_api.HTTP_STATUS` maps the gRPC code to;
+the bearer token is the gRPC API's.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import hmac
+import json
+import logging
+import threading
+import time
+from typing import AsyncIterator, Iterator
+
+import anyio
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from specdec.rpc.errors import SpecdecError, public_message
+from specdec.rpc.security import ServerTls
+
+from coordinator.openai_api import ChatRequest, CompletionRequest, Reply, error_body, to_generate
+from coordinator.requests import update_to_proto
+
+log = logging.getLogger("coordinator.http")
+FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate")
+DISCONNECT_POLL_S = 0.05
+
+
+class HttpCall:
+    """What the servicer reads of a gRPC call's context, for an HTTP request: its
+    headers (the bearer token: who called; W3C trace context), no deadline, and
+    whether the client is still there."""
+
+    def __init__(self, headers) -> None:
+        self.metadata = tuple((k, v) for k, v in headers.items() if k.lower() in FORWARDED_HEADERS)
+        self.gone = threading.Event()
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def peer_identities(self):
+        return None
+
+    def time_remaining(self):
+        return None
+
+    def is_active(self) -> bool:
+        return not self.gone.is_set()
+
+
+def _error(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, SpecdecError):
+        code, message = exc.code, str(exc)
+    elif isinstance(exc, grpc.RpcError):
+        code = exc.code()
+        message = public_message("verifier", code, exc.details() or "")
+    else:
+        log.exception("an HTTP request failed", exc_info=exc)
+        code, message = grpc.StatusCode.INTERNAL, "internal error; see the coordinator's log"
+    status, body = error_body(code, message)
+    return JSONResponse(body, status_code=status)
+
+
+def build_app(servicer, model: str, auth_token: str | None = None) -> FastAPI:
+    """The HTTP front over `servicer` (a CoordinatorServicer), serving `model`."""
+    app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
+    tokenizer = servicer.backends.tokenizer
+    limiter = anyio.CapacityLimiter(servicer.config.max_sessions + 8)   # as the gRPC server's workers
+
+    def decode_token(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        status, body = error_body(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {first.get('msg', 'invalid')}",
+                                  where or None)
+        return JSONResponse(body, status_code=status)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if auth_token and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {auth_token}".encode()):
+                status, body = error_body(grpc.StatusCode.UNAUTHENTICATED,
+                                          "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
+                return JSONResponse(body, status_code=status)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        up = servicer.backends.verifier_watch.up
+        return JSONResponse({"status": "ok" if up else "unavailable"}, status_code=200 if up else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": int(time.time()),
+                                            "owned_by": "specdec"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        return await _serve(body, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _serve(body, request, chat=False)
+
+    async def _serve(body, request: Request, chat: bool):
+        try:
+            generate = to_generate(body, model)
+        except SpecdecError as exc:
+            return _error(exc)
+        call = HttpCall(request.headers)
+        updates = servicer.updates(generate, call)
+        reply = Reply(chat, model, decode_token)
+        step = _Stepper(updates, limiter)
+        try:
+            first = await step.next()   # admission, validation and the prefill: errors as statuses
+        except BaseException as exc:
+            await step.close()
+            return _error(exc)
+        step.watcher = watcher = asyncio.create_task(_watch_disconnect(request, call, step))  # held: not collected
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_events(first, step, reply, call, include_usage, generate.logprobs),
+                                     media_type="text/event-stream")
+        try:
+            return JSONResponse(await _whole(first, step, reply, generate.logprobs))
+        except BaseException as exc:
+            return _error(exc)
+        finally:
+            watcher.cancel()
+            await step.close()
+
+    return app
+
+
+class _Stepper:
+    """A synchronous generator of updates, advanced on worker threads, always in one
+    context of its own: the request's trace span, opened in its first step, is the
+    current one in every later step (each worker call would otherwise get a copy)."""
+
+    def __init__(self, updates: Iterator, limiter: anyio.CapacityLimiter) -> None:
+        self.updates, self.limiter = updates, limiter
+        self.context = contextvars.copy_context()
+        self.lock = asyncio.Lock()   # one step at a time; close waits for the step under way
+        self.closed = False
+
+    async def next(self):
+        async with self.lock:
+            if self.closed:
+                return None
+            return await anyio.to_thread.run_sync(self.context.run, next, self.updates, None, limiter=self.limiter)
+
+    async def close(self) -> None:
+        """End the generation (its sessions with it); idempotent. Shielded: a response
+        cancelled because its client went still ends them."""
+        with anyio.CancelScope(shield=True):
+            async with self.lock:
+                if not self.closed:
+                    self.closed = True
+                    await anyio.to_thread.run_sync(self.context.run, self.updates.close, limiter=self.limiter)
+
+
+async def _watch_disconnect(request: Request, call: HttpCall, step: "_Stepper") -> None:
+    """Until the response is done: a client gone tells the engine (it stops within a
+    round) and ends the generation. A stream's consumer that stops on a disconnect
+    leaves its generator suspended, so waiting for that to be closed is not enough."""
+    while not call.gone.is_set() and not step.closed:
+        if await request.is_disconnected():
+            call.gone.set()
+            await step.close()
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def _whole(first, step: _Stepper, reply: Reply, logprobs: bool) -> dict:
+    text, tokens, entries, update = [], 0, [], first
+    while update is not None:
+        response = update_to_proto(update, with_stats=True)
+        text.append(response.text)
+        tokens += len(response.token_ids)
+        entries += response.logprobs
+        last = response
+        update = await step.next() if update.delta.finish_reason is None else None
+    return reply.whole("".join(text), tokens, last.finish_reason, last.stats, entries if logprobs else None)
+
+
+async def _events(first, step: _Stepper, reply: Reply, call: HttpCall, include_usage: bool,
+                  logprobs: bool) -> AsyncIterator[str]:
+    def event(payload: dict) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    update, tokens, sent_first = first, 0, False
+    try:
+        while update is not None:
+            response = update_to_proto(update, with_stats=update.delta.finish_reason is not None)
+            tokens += len(response.token_ids)
+            done = update.delta.finish_reason is not None
+            if response.text or response.token_ids or not sent_first or done:
+                yield event(reply.chunk(response.text, not sent_first, response.finish_reason if done else None,
+                                        list(response.logprobs) if logprobs else None))
+                sent_first = True
+            if done:
+                if include_usage:
+                    yield event(reply.usage_chunk(response.stats, tokens))
+                break
+            update = await step.next()
+    except (SpecdecError, grpc.RpcError) as exc:   # mid-stream: the error as an event, as vLLM sends it
+        yield event(json.loads(_error(exc).body))
+    except BaseException:
+        call.gone.set()   # the client went (the response was cancelled): stop within a round
+        raise
+    finally:
+        await step.close()
+    yield "data: [DONE]\n\n"
+
+
+class HttpFront:
+    """uvicorn serving the app on a thread of its own, until `stop`."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, tls: ServerTls | None = None) -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=5, lifespan="off",
+                                ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="http-front", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise OSError(f"the HTTP front could not listen on {host}:{port}")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

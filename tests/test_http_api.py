@@ -1,0 +1,189 @@
+"""The OpenAI-compatible HTTP front (coordinator.http_server), through the official
+`openai` client and plain HTTP (httpx), against real services on loopback: the
+same output as `Generate` and as target-only, the stream adding up to the unary
+response, errors raised as the client's own exception types, logprobs equal
+whether speculating or not, and a client that goes away freeing its sessions."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+import drafter.service
+import verifier.service
+from specdec.rpc.serving import channel
+from specdec.v1 import common_pb2, coordinator_pb2 as pb, verifier_pb2_grpc
+from tests.conftest import served_coordinator
+
+MESSAGES = [{"role": "user", "content": "Write a short story about a robot."}]
+TARGET_ONLY = {"speculation": {"enabled": False}}
+
+
+@pytest.fixture(scope="module")
+def front(tiny_draft, tiny_target):
+    servers = [drafter.service.serve(tiny_draft), verifier.service.serve(tiny_target)]
+    try:
+        with served_coordinator(drafter=f"127.0.0.1:{servers[0].port}", verifier=f"127.0.0.1:{servers[1].port}",
+                                gamma=4, http_port=0) as served:
+            served.verifier_port = servers[1].port
+            served.base_url = f"http://127.0.0.1:{served.running.http_port}/v1"
+            yield served
+    finally:
+        for server in servers:
+            server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def client(front):
+    with openai.OpenAI(base_url=front.base_url, api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def model_name(client) -> str:
+    (model,) = client.models.list().data
+    return model.id
+
+
+def test_models_name_the_target_and_health_answers(front, client):
+    assert model_name(client) == "tiny-target"
+    health = httpx.get(front.base_url.removesuffix("/v1") + "/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def test_greedy_chat_is_generates_output_and_target_onlys(front, client):
+    model = model_name(client)
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=24, temperature=0,
+                                           extra_body={"ignore_eos": True, **TARGET_ONLY})
+    grpc_reply = front.stub.Generate(pb.GenerateRequest(
+        messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=MESSAGES[0]["content"])]),
+        max_new_tokens=24, ignore_eos=True, sampling=common_pb2.SamplingParams(temperature=0)), timeout=60)
+    (choice,) = chat.choices
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert choice.message.content == grpc_reply.text == plain.choices[0].message.content
+    assert chat.usage.completion_tokens == len(grpc_reply.token_ids) == 24
+    assert chat.usage.prompt_tokens == grpc_reply.stats.prompt_tokens
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + 24
+    stats = chat.model_extra["specdec"]                # the extension field passes through the client
+    assert stats["rounds"] == grpc_reply.stats.rounds and stats["gamma"] == 4
+    assert stats["accepted_tokens"] + stats["rounds"] + 1 == 24
+    assert plain.model_extra["specdec"]["draft_tokens"] == 0
+
+
+def test_completions_take_text_or_token_ids(front, client):
+    model = model_name(client)
+    text = client.completions.create(model=model, prompt="def fibonacci(n):", max_tokens=16, temperature=0)
+    grpc_reply = front.stub.Generate(pb.GenerateRequest(prompt="def fibonacci(n):", max_new_tokens=16,
+                                                        sampling=common_pb2.SamplingParams(temperature=0)), timeout=60)
+    assert text.object == "text_completion" and text.choices[0].text == grpc_reply.text
+    ids = client.completions.create(model=model, prompt=[5, 17, 99, 3], max_tokens=8, temperature=0)
+    by_ids = front.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 17, 99, 3]), max_new_tokens=8,
+                                                    sampling=common_pb2.SamplingParams(temperature=0)), timeout=60)
+    assert ids.choices[0].text == by_ids.text
+
+
+def test_a_stream_adds_up_to_the_unary_response_and_ends_with_usage(client):
+    model = model_name(client)
+    unary = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=20, temperature=0,
+                                           stop=["\n\n"])
+    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=20, temperature=0,
+                                                 stop=["\n\n"], stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == unary.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [unary.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == unary.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_plain_http_streams_server_sent_events_to_done(front):
+    with httpx.stream("POST", front.base_url + "/completions", timeout=60,
+                      json={"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "stream": True,
+                            "ignore_eos": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(e["object"] == "text_completion" for e in events)
+
+
+@pytest.mark.parametrize("kwargs, error, says", [
+    (dict(n=2), openai.BadRequestError, "n=2"),
+    (dict(model="gpt-4o"), openai.NotFoundError, "gpt-4o"),
+    (dict(frequency_penalty=0.5), openai.BadRequestError, "frequency_penalty"),
+    (dict(max_tokens=0), openai.BadRequestError, "max_tokens=0"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), openai.BadRequestError,
+     "tools"),
+    (dict(top_logprobs=21, logprobs=True), openai.BadRequestError, "top_logprobs"),
+    (dict(extra_body={"speculation": {"proposer": "oracle"}}), openai.BadRequestError, "proposer"),
+    (dict(messages=[]), openai.BadRequestError, "messages"),
+])
+def test_bad_requests_raise_the_clients_exception_with_the_reason(client, kwargs, error, says):
+    request = dict(model=model_name(client), messages=MESSAGES, max_tokens=4) | kwargs
+    with pytest.raises(error) as raised:
+        client.chat.completions.create(**request)
+    body = raised.value.body
+    assert says in body["message"] and body["type"] in ("invalid_request_error", "not_found_error"), body
+
+
+def test_the_bearer_token_is_the_grpc_apis(tiny_target, monkeypatch):
+    v = verifier.service.serve(tiny_target)
+    try:
+        with served_coordinator(drafter=None, verifier=f"127.0.0.1:{v.port}", proposer="ngram", http_port=0,
+                                auth_token="s3cret") as served:
+            url = f"http://127.0.0.1:{served.running.http_port}/v1"
+            with openai.OpenAI(base_url=url, api_key="wrong", max_retries=0) as wrong:
+                with pytest.raises(openai.AuthenticationError):
+                    wrong.models.list()
+            with openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0) as right:
+                reply = right.completions.create(model="tiny-target", prompt="hi", max_tokens=3, temperature=0)
+                assert reply.usage.completion_tokens == 3
+    finally:
+        v.stop(0)
+
+
+def test_logprobs_are_the_targets_whether_speculating_or_not(client):
+    model = model_name(client)
+    asked = dict(model=model, messages=MESSAGES, max_tokens=20, logprobs=True, top_logprobs=3)
+    for temperature in (0.0, 0.8):
+        spec = client.chat.completions.create(**asked, temperature=temperature, seed=7,
+                                              extra_body={"ignore_eos": True})
+        plain = client.chat.completions.create(**asked, temperature=temperature, seed=7,
+                                               extra_body={"ignore_eos": True, **TARGET_ONLY})
+        mine, theirs = spec.choices[0].logprobs.content, plain.choices[0].logprobs.content
+        assert len(mine) == 20 and spec.model_extra["specdec"]["accepted_tokens"] > 0
+        for a, b in zip(mine, theirs):     # where the outputs agree, so do the target's logprobs
+            if a.token != b.token:
+                break
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
+        for entry in mine:
+            tops = [t.logprob for t in entry.top_logprobs]
+            assert len(tops) == 3 and tops == sorted(tops, reverse=True) and entry.logprob <= tops[0] + 1e-6
+            if temperature == 0:             # greedy: the token is the most likely one
+                assert entry.logprob == pytest.approx(tops[0], abs=1e-6)
+
+
+def test_a_client_that_goes_away_frees_its_sessions(front):
+    def active() -> int:
+        with channel(f"127.0.0.1:{front.verifier_port}") as ch:
+            return verifier_pb2_grpc.VerifierStub(ch).Info(common_pb2.InfoRequest(), timeout=10).active_sessions
+    request = {"messages": MESSAGES, "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    started = time.monotonic()
+    httpx.post(front.base_url + "/chat/completions", json=request, timeout=120).raise_for_status()
+    whole_s = time.monotonic() - started          # what the request takes when the client stays
+    assert active() == 0
+    with httpx.stream("POST", front.base_url + "/chat/completions", json=request | {"stream": True},
+                      timeout=60) as r:
+        next(r.iter_lines())          # the first token is out: the sessions are open
+        assert active() == 1
+        left = time.monotonic()
+    while active() and time.monotonic() - left < 10:
+        time.sleep(0.01)
+    assert active() == 0 and time.monotonic() - left < whole_s / 2, (time.monotonic() - left, whole_s)
