@@ -1,9 +1,11 @@
-"""specdec load: N concurrent clients against the whole gRPC stack.
+"""specdec load: N concurrent clients against the whole stack, over gRPC or the HTTP front.
 
     specdec load --pair tiny --clients 1,4,16,32 --requests 64
     specdec load --pair smollm2-self --clients 1,4,8 --requests 16 --max-new-tokens 32
     specdec load --address HOST:PORT ...          # a stack that is already running
     specdec load --pair qwen-coder --clients 1,8,32 --per-client 2 --systems spec-auto,target-only
+    specdec load --pair tiny --clients 1 --api both --stream --requests 64   # HTTP's overhead against gRPC's
+    specdec load --pair tiny --clients 32 --api http --stream --duration 120 --drop-every 10
 
 For each client count it sends a fixed number of requests (a mix of greedy and
 sampled, fixed length) and reports latency p50/p99, throughput, and errors by
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import itertools
 import json
 import pathlib
 import statistics
@@ -35,13 +38,14 @@ import uuid
 from dataclasses import asdict, dataclass, field
 
 import grpc
+import httpx
 import psutil
 
 from specdec_tools import launcher
+from specdec_tools.load_clients import APIS, HttpError, Target, sessions_left
 from specdec.weights.pairs import PAIRS
 from specdec.rpc.security import ClientTls, load_token
-from specdec.rpc.serving import channel
-from specdec.v1 import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc
+from specdec.v1 import common_pb2, coordinator_pb2 as pb
 
 PROMPTS = [
     "Write a function that returns the sum of two numbers.",
@@ -83,7 +87,10 @@ class Level:
     clients: int
     requests: int
     system: str = "spec-auto"
+    api: str = "grpc"
     ok: int = 0
+    dropped: int = 0                       # HTTP streams closed after their first chunk (--drop-every)
+    first_token_p50_ms: float = 0.0        # --stream: the first text's arrival at the client, median
     refused: int = 0                       # RESOURCE_EXHAUSTED: admission control said no
     errors: dict[str, int] = field(default_factory=dict)  # any other status, by code
     error_examples: list[str] = field(default_factory=list)
@@ -137,56 +144,70 @@ def make_request(i: int, max_new_tokens: int, ignore_eos: bool, system: str = "s
     return request
 
 
-def run_level(address: str, clients: int, requests: int, args: argparse.Namespace, tls, token,
-              system: str = "spec-auto") -> Level:
-    level = Level(clients, requests, system)
+def run_level(target: Target, clients: int, requests: int, args: argparse.Namespace,
+              system: str = "spec-auto", api: str = "grpc") -> Level:
+    """`requests` requests from `clients` clients at once (or, with --duration, as many as
+    they send in that time), through `api`."""
+    level = Level(clients, requests, system, api)
     latencies: list[float] = []
+    firsts: list[float] = []
     lock = threading.Lock()
-    counter = iter(range(requests))
-    channels = [channel(address, tls, token) for _ in range(clients)]  # one connection per client
+    counter = iter(range(requests)) if not args.duration else itertools.count()
+    until = time.perf_counter() + args.duration if args.duration else None
+    connections = [target.client(api) for _ in range(clients)]  # one connection per client
 
     def client(index: int) -> None:
-        stub = coordinator_pb2_grpc.CoordinatorStub(channels[index])
+        conn = connections[index]
         while True:
             with lock:
                 i = next(counter, None)
-            if i is None:
+            if i is None or (until is not None and time.perf_counter() >= until):
                 return
+            drop = api == "http" and args.stream and args.drop_every > 0 and i % args.drop_every == args.drop_every - 1
             started = time.perf_counter()
             try:
-                response = stub.Generate(make_request(i, args.max_new_tokens, not args.stop_at_eos, system,
-                                                      args.shared_prompt), timeout=args.timeout)
-            except grpc.RpcError as exc:
+                answer = conn.generate(make_request(i, args.max_new_tokens, not args.stop_at_eos, system,
+                                                    args.shared_prompt), args.timeout, args.stream, drop)
+            except (grpc.RpcError, HttpError, httpx.HTTPError) as exc:
+                code = exc.code().name if isinstance(exc, grpc.RpcError) else \
+                    f"HTTP {exc.status}" if isinstance(exc, HttpError) else type(exc).__name__
                 with lock:
-                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    if code in ("RESOURCE_EXHAUSTED", "HTTP 429"):
                         level.refused += 1
                     else:
-                        level.errors[exc.code().name] = level.errors.get(exc.code().name, 0) + 1
+                        level.errors[code] = level.errors.get(code, 0) + 1
                         if len(level.error_examples) < 5:
-                            level.error_examples.append(f"{exc.code().name}: {exc.details()}")
+                            level.error_examples.append(exc.details() if isinstance(exc, grpc.RpcError) else str(exc))
                 continue
             with lock:
+                if answer.dropped:
+                    level.dropped += 1
+                    continue
                 latencies.append(time.perf_counter() - started)
+                if answer.first_token_s:
+                    firsts.append(answer.first_token_s * 1e3)
                 level.ok += 1
-                level.output_tokens += len(response.token_ids)
-                if i % 2 == 0:  # greedy (make_request): batching may only change it through roundings
-                    level.greedy_outputs.setdefault(i % len(PROMPTS), list(response.token_ids))
-                level.add(response.stats)
+                level.output_tokens += len(answer.token_ids)
+                if i % 2 == 0 and api == "grpc":  # greedy (make_request): batching may only change it through roundings
+                    level.greedy_outputs.setdefault(i % len(PROMPTS), list(answer.token_ids))
+                level.add(answer.stats)
 
     started = time.perf_counter()
     try:
         with concurrent.futures.ThreadPoolExecutor(clients) as pool:
             list(pool.map(client, range(clients)))
     finally:
-        for ch in channels:
-            ch.close()
+        for conn in connections:
+            conn.close()
     level.wall_s = time.perf_counter() - started
+    level.requests = level.ok + level.refused + level.dropped + sum(level.errors.values())
     level.latency_p50_s = statistics.median(latencies) if latencies else 0.0
     if len(latencies) >= 2:
         level.latency_p99_s = statistics.quantiles(latencies, n=100, method="inclusive")[98]
     else:
         level.latency_p99_s = level.latency_p50_s
     level.latency_max_s = max(latencies, default=0.0)
+    level.first_token_p50_ms = statistics.median(firsts) if firsts else 0.0
     level.tokens_per_s = level.output_tokens / level.wall_s
     level.requests_per_s = level.ok / level.wall_s
     return level
@@ -201,6 +222,8 @@ def compare_greedy(levels: list[Level]) -> None:
     level (bf16 and int4 sums depend on a batch's rows; fp32 ones barely do)."""
     first = {}
     for lv in levels:
+        if lv.api != "grpc":   # HTTP answers carry text, not ids
+            continue
         reference = first.setdefault(lv.system, lv.greedy_outputs)
         if lv.greedy_outputs is not reference:
             shared = [k for k in lv.greedy_outputs if k in reference]
@@ -214,21 +237,24 @@ def cached_share(level: Level, name: str) -> str:
 
 
 def print_table(levels: list[Level], rss: dict) -> None:
-    print("| system | clients | requests | ok | refused | errors | p50 s | p99 s | max s | tok/s | x 1 client | "
-          "req/s | drafted reqs | acceptance | verify rows/fwd | verify queue s/req | greedy as at first level | "
-          "prompt tokens | prefix-cached (target, draft) | first token ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    alone = {lv.system: lv.tokens_per_s for lv in levels if lv.clients == 1}
+    print("| system | api | clients | requests | ok | refused | dropped | errors | p50 s | p99 s | max s | tok/s | "
+          "x 1 client | req/s | drafted reqs | acceptance | verify rows/fwd | verify queue s/req | "
+          "greedy as at first level | prompt tokens | prefix-cached (target, draft) | first token ms | "
+          "first token ms at the client |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    alone = {(lv.system, lv.api): lv.tokens_per_s for lv in levels if lv.clients == 1}
     for lv in levels:
         errors = sum(lv.errors.values())
-        ratio = f"{lv.tokens_per_s / alone[lv.system]:.2f}" if alone.get(lv.system) else "-"
-        print(f"| {lv.system} | {lv.clients} | {lv.requests} | {lv.ok} | {lv.refused} | {errors} | "
+        ratio = f"{lv.tokens_per_s / alone[lv.system, lv.api]:.2f}" if alone.get((lv.system, lv.api)) else "-"
+        print(f"| {lv.system} | {lv.api} | {lv.clients} | {lv.requests} | {lv.ok} | {lv.refused} | {lv.dropped} | "
+              f"{errors} | "
               f"{lv.latency_p50_s:.3f} | {lv.latency_p99_s:.3f} | {lv.latency_max_s:.3f} | {lv.tokens_per_s:.1f} | "
               f"{ratio} | {lv.requests_per_s:.2f} | {lv.drafted_requests} | {lv.acceptance:.2f} | "
               f"{lv.mean('verify_batch_rows'):.1f} | {lv.mean('verify_queue_ms') / 1e3:.2f} | "
               f"{f'{lv.greedy_same}/{lv.greedy_compared}' if lv.greedy_same >= 0 else '-'} | "
               f"{lv.mean('prompt_tokens'):.0f} | {cached_share(lv, 'prefix_cached_tokens')}, "
-              f"{cached_share(lv, 'draft_prefix_cached_tokens')} | {lv.mean('first_token_ms'):.0f} |")
+              f"{cached_share(lv, 'draft_prefix_cached_tokens')} | {lv.mean('first_token_ms'):.0f} | "
+              f"{f'{lv.first_token_p50_ms:.1f}' if lv.first_token_p50_ms else '-'} |")
         for example in lv.error_examples:
             print(f"  error: {example}")
     if rss:
@@ -237,11 +263,24 @@ def print_table(levels: list[Level], rss: dict) -> None:
         for name, before in rss["before"].items():
             after = rss["after"][name]
             print(f"| {name} | {before:.0f} | {after:.0f} | {after - before:+.1f} | {100 * (after - before) / before:+.1f}% |")
+        if "sessions_left" in rss:
+            print("\nsessions open in the model services after the run: " +
+                  ", ".join(f"{name} {n}" for name, n in rss["sessions_left"].items()))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="specdec load", description=__doc__.split("\n\n")[0])
     p.add_argument("--address", help="a running coordinator (default: start --pair on loopback)")
+    p.add_argument("--http-address", help="... and its OpenAI-compatible front, HOST:PORT (for --api http)")
+    p.add_argument("--api", default="grpc", choices=(*APIS, "both"),
+                   help="gRPC Generate, the OpenAI-compatible HTTP front, or both interleaved at each level")
+    p.add_argument("--stream", action="store_true",
+                   help="streaming calls (GenerateStream; stream: true): the first token's time at the client")
+    p.add_argument("--duration", type=float, default=0.0,
+                   help="seconds each level runs, its clients sending requests back to back (0: --requests)")
+    p.add_argument("--drop-every", type=int, default=0,
+                   help="with --api http --stream: every Nth request's client closes its connection after the "
+                        "first chunk (counted as dropped; its sessions must be freed)")
     p.add_argument("--pair", default="tiny", choices=sorted(PAIRS))
     p.add_argument("--clients", default="1,4,16,32", help="comma-separated concurrency levels (1..256)")
     p.add_argument("--requests", type=int, default=64, help="requests per level")
@@ -268,6 +307,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--clients takes counts between 1 and 256")
     args.shared_prompt = system_prompt(args.system_prompt_tokens) if args.system_prompt_tokens > 0 else ""
     args.system_list = [x for x in args.systems.split(",") if x]
+    args.api_list = list(APIS) if args.api == "both" else [args.api]
     unknown = [x for x in args.system_list if x not in SYSTEMS]
     if unknown or not args.system_list:
         p.error(f"--systems takes {', '.join(SYSTEMS)}; got {args.systems!r}")
@@ -285,30 +325,36 @@ def main(argv: list[str] | None = None) -> int:
     stack: launcher.Stack | None = None
     children: list[launcher.Child] = []
     try:
-        address = args.address
-        if address is None:
+        target = Target(args.address, f"http://{args.http_address}/v1" if args.http_address else None, tls, token)
+        if args.address is None:
             extra = ["--max-sessions", str(args.max_sessions)] if args.max_sessions else []
             options = launcher.StackOptions.for_pair(PAIRS[args.pair], port=0, threads=args.threads,
-                                                     coordinator_args=tuple(extra))
+                                                     coordinator_args=(*extra, "--http-port", "0"))
             launcher.pull_models([options.draft_model, options.target_model])
             stack = launcher.Stack(options)
             children = stack.children
-            address = stack.launch().address
-        print(f"specdec load: warming up against {address}", flush=True)
+            coordinator = stack.launch()
+            target.address, target.http_url = coordinator.address, f"http://127.0.0.1:{coordinator.http_port}/v1"
+        print(f"specdec load: warming up against {target.address}", flush=True)
         warmup = max(args.levels) if args.warmup < 0 else args.warmup
         if warmup:
-            run_level(address, max(args.levels), warmup, args, tls, token)
+            for api in args.api_list:
+                run_level(target, max(args.levels), warmup, argparse.Namespace(**{**vars(args), "duration": 0}),
+                          api=api)
         rss = {"before": rss_mib(children)} if children else {}
         levels = []
         for clients in args.levels:
             for system in args.system_list:
-                level = run_level(address, clients, level_requests(args, clients), args, tls, token, system)
-                levels.append(level)
-                print(f"specdec load: {system}, {clients} clients: {level.ok} ok, {level.refused} refused, "
-                      f"{sum(level.errors.values())} errors, p50 {level.latency_p50_s:.3f} s, "
-                      f"p99 {level.latency_p99_s:.3f} s, {level.tokens_per_s:.1f} tok/s", flush=True)
+                for api in args.api_list:
+                    level = run_level(target, clients, level_requests(args, clients), args, system, api)
+                    levels.append(level)
+                    print(f"specdec load: {system} ({api}), {clients} clients: {level.ok} ok, {level.refused} "
+                          f"refused, {level.dropped} dropped, {sum(level.errors.values())} errors, p50 "
+                          f"{level.latency_p50_s:.3f} s, p99 {level.latency_p99_s:.3f} s, {level.tokens_per_s:.1f} "
+                          f"tok/s", flush=True)
         if children:
             rss["after"] = rss_mib(children)
+            rss["sessions_left"] = sessions_left(stack)
             dead = [c.name for c in children if c.process.poll() is not None]
         else:
             dead = []
@@ -330,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
               "exited_early": dead}
     (args.out / "load.json").write_text(json.dumps(report, indent=2))
     print(f"\nwrote {args.out / 'load.json'}")
-    failed = sum(sum(lv.errors.values()) for lv in levels) or dead
+    failed = sum(sum(lv.errors.values()) for lv in levels) or dead or any(rss.get("sessions_left", {}).values())
     return 1 if failed else 0
 
 

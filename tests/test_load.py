@@ -68,3 +68,17 @@ def test_a_shared_system_prompt_is_prefilled_once_and_cold_requests_prefill_it_e
     # All but the first requests (which ran at once, before any block was kept) find the system prompt.
     assert warm["mean_stats"]["prefix_cached_tokens"] >= 64
     assert cold["mean_stats"].get("prefix_cached_tokens", 0) == 0  # (a field no response set is not summed)
+
+
+def test_http_and_grpc_side_by_side_and_clients_that_go_away_leave_no_session(tmp_path):
+    report = run_load(tmp_path, "--clients", "4", "--requests", "12", "--max-new-tokens", "24", "--api", "both",
+                      "--stream", "--drop-every", "3", "--warmup", "0")
+    levels = {lv["api"]: lv for lv in report["levels"]}
+    assert set(levels) == {"grpc", "http"}
+    for api, lv in levels.items():
+        assert lv["errors"] == {} and lv["requests"] == 12, (api, lv["error_examples"])
+        assert lv["first_token_p50_ms"] > 0   # streamed: timed at the client
+    assert levels["grpc"]["dropped"] == 0 and levels["grpc"]["ok"] == 12
+    assert levels["http"]["dropped"] == 4 and levels["http"]["ok"] == 8      # every third client went away
+    assert levels["http"]["output_tokens"] == 8 * 24
+    assert report["rss_mib"]["sessions_left"] == {"drafter": 0, "verifier": 0}
