@@ -203,7 +203,9 @@ async def _whole(first, step: _Stepper, reply: Reply, logprobs: bool) -> dict:
 async def _events(first, step: _Stepper, reply: Reply, call: HttpCall, include_usage: bool,
                   logprobs: bool) -> AsyncIterator[str]:
     def event(payload: dict) -> str:
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        # ASCII, every other character escaped: a line splitter that also breaks at U+2028 or
+        # U+0085 (Python's str.splitlines, as httpx's iter_lines uses) then keeps each event whole.
+        return f"data: {json.dumps(payload)}\n\n"
     update, tokens, sent_first = first, 0, False
     try:
         while update is not None:

@@ -168,7 +168,7 @@ def run_level(target: Target, clients: int, requests: int, args: argparse.Namesp
             try:
                 answer = conn.generate(make_request(i, args.max_new_tokens, not args.stop_at_eos, system,
                                                     args.shared_prompt), args.timeout, args.stream, drop)
-            except (grpc.RpcError, HttpError, httpx.HTTPError) as exc:
+            except (grpc.RpcError, HttpError, httpx.HTTPError, ValueError) as exc:
                 code = exc.code().name if isinstance(exc, grpc.RpcError) else \
                     f"HTTP {exc.status}" if isinstance(exc, HttpError) else type(exc).__name__
                 with lock:

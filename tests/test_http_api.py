@@ -108,6 +108,7 @@ def test_plain_http_streams_server_sent_events_to_done(front):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    assert all(line.isascii() for line in lines)   # escaped: no line splitter may cut an event
     events = [json.loads(line[6:]) for line in lines[:-1]]
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert all(e["object"] == "text_completion" for e in events)
