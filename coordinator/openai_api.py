@@ -107,10 +107,6 @@ def _refuse_unsupported(request: _Common) -> None:
             raise InvalidArgument(f"'{name}' is not supported by this server")
     if request.n not in (None, 1):
         raise InvalidArgument(f"n={request.n}: this server returns one choice per request (n=1)")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(request, name):
-            raise InvalidArgument(f"'{name}' is not supported by this server; 'repetition_penalty' (an extension, "
-                                  "as transformers and vLLM apply it) is")
 
 
 def _content(message: dict[str, Any], index: int) -> str:
@@ -137,6 +133,10 @@ def _sampling(request: _Common) -> common_pb2.SamplingParams:
         sampling.top_k = request.top_k
     if request.repetition_penalty is not None:
         sampling.repetition_penalty = request.repetition_penalty
+    if request.frequency_penalty:
+        sampling.frequency_penalty = request.frequency_penalty
+    if request.presence_penalty:
+        sampling.presence_penalty = request.presence_penalty
     if request.seed is not None:
         if request.seed < 0:
             raise InvalidArgument(f"seed={request.seed} must be >= 0")

@@ -2,6 +2,7 @@
 messages a person can act on, and stats/deltas back to proto."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 from dataclasses import dataclass
@@ -167,6 +168,9 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
     if request.top_logprobs > MAX_TOP_LOGPROBS or (request.top_logprobs and not request.logprobs):
         raise InvalidArgument(f"top_logprobs={request.top_logprobs}: at most {MAX_TOP_LOGPROBS}, and only with "
                               "logprobs set")
+    # The frequency and presence penalties count output tokens only: from the prompt's end on,
+    # in both model services' sessions (each holds the prompt's ids, then the output's).
+    sampling = dataclasses.replace(sampling, penalty_start=len(ids))
     return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop, adaptive, request.ignore_eos,
                              confidence_stop, PROPOSER_KINDS[request.speculation.proposer],
                              request.cache_salt.encode("utf-8"),

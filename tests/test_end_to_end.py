@@ -366,3 +366,41 @@ def test_a_round_mixing_a_lookup_token_and_a_model_token_under_a_repetition_pena
     as_dict = lambda p: {i: float(v) for i, v in enumerate(p.tolist()) if v > 0}  # noqa: E731
     assert chi_square_p(first, as_dict(p1), runs) > 1e-3
     assert chi_square_p(second, as_dict(p2), n2) > 1e-3
+
+
+def test_frequency_and_presence_penalties_stay_lossless(stack, tiny_target):
+    """OpenAI's additive penalties through the coordinator: greedy speculative output
+    is target-only's, and sampled pairs of tokens follow the target's exact
+    distribution with the penalties applied to the output (the second token's
+    distribution is moved by the first; the prompt's ids are not counted)."""
+    # Negative: the tiny model's greedy text repeats no token, so only penalties that
+    # favour repetition change it (and make a second token equal to the first likely).
+    penalties = dict(frequency_penalty=-1.5, presence_penalty=-1.0)
+    for prompt in PROMPTS[:4]:
+        greedy = [generate(stack.coordinator_stub, prompt, speculate=s, max_new_tokens=30, **penalties).token_ids
+                  for s in (True, False)]
+        assert greedy[0] == greedy[1]
+        assert len(set(greedy[0])) < len(greedy[0])   # the penalties did act: tokens repeat
+    prompt = "Hello, world! How are"
+    prompt_ids = tiny_target.tokenizer.encode(prompt)
+    sampling = SamplingConfig(temperature=0.8, top_k=40, penalty_start=len(prompt_ids), **penalties)
+    p1, joint = exact_first_two_token_distribution(tiny_target, prompt_ids, sampling)
+    plain_p1, plain_joint = exact_first_two_token_distribution(tiny_target, prompt_ids, SAMPLING)
+    assert p1 == plain_p1 and joint != plain_joint   # only the second token is moved
+    first, pairs, runs = collections.Counter(), collections.Counter(), 1500
+    for seed in range(runs):
+        r = generate(stack.coordinator_stub, prompt, speculate=True, gamma=3, max_new_tokens=3, temperature=0.8,
+                     top_k=40, seed=seed, **penalties)
+        x1, pair = observed_outcome(r)
+        first[x1] += 1
+        pairs[pair] += 1
+    assert chi_square_p(first, p1, runs) > 1e-3
+    assert chi_square_p(pairs, joint, runs) > 1e-3
+    # Power: how often the second token repeats the first, what the penalties move most,
+    # is the penalized distribution's and far from the plain one's.
+    def repeats(dist: dict) -> float:
+        return sum(p for (a, b), p in dist.items() if a == b)
+    seen = sum(n for (a, b), n in pairs.items() if a == b) / runs
+    sigma = (repeats(joint) * (1 - repeats(joint)) / runs) ** 0.5
+    assert abs(seen - repeats(joint)) < 4 * sigma and abs(seen - repeats(plain_joint)) > 10 * sigma, (
+        seen, repeats(joint), repeats(plain_joint))

@@ -74,6 +74,20 @@ def test_greedy_chat_is_generates_output_and_target_onlys(front, client):
     assert plain.model_extra["specdec"]["draft_tokens"] == 0
 
 
+def test_penalties_map_to_the_sampling_config(front, client):
+    """OpenAI's frequency and presence penalties are the gRPC API's: the same greedy
+    output either way, and not the output without them."""
+    penalized = client.completions.create(model=model_name(client), prompt="the the the", max_tokens=24,
+                                          temperature=0, frequency_penalty=-1.5, presence_penalty=-1.0,
+                                          extra_body={"ignore_eos": True})
+    sampling = common_pb2.SamplingParams(temperature=0, frequency_penalty=-1.5, presence_penalty=-1.0)
+    grpc_reply = front.stub.Generate(pb.GenerateRequest(prompt="the the the", max_new_tokens=24, ignore_eos=True,
+                                                        sampling=sampling), timeout=60)
+    plain = client.completions.create(model=model_name(client), prompt="the the the", max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert penalized.choices[0].text == grpc_reply.text != plain.choices[0].text
+
+
 def test_completions_take_text_or_token_ids(front, client):
     model = model_name(client)
     text = client.completions.create(model=model, prompt="def fibonacci(n):", max_tokens=16, temperature=0)
@@ -117,7 +131,7 @@ def test_plain_http_streams_server_sent_events_to_done(front):
 @pytest.mark.parametrize("kwargs, error, says", [
     (dict(n=2), openai.BadRequestError, "n=2"),
     (dict(model="gpt-4o"), openai.NotFoundError, "gpt-4o"),
-    (dict(frequency_penalty=0.5), openai.BadRequestError, "frequency_penalty"),
+    (dict(frequency_penalty=2.5), openai.BadRequestError, "frequency_penalty must be in"),
     (dict(max_tokens=0), openai.BadRequestError, "max_tokens=0"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), openai.BadRequestError,
      "tools"),

@@ -26,6 +26,10 @@ from specdec.v1 import common_pb2
     (dict(temperature=1e-39), "below the smallest one taken"),
     (dict(temperature=1e-300), "below the smallest one taken"),
     (dict(temperature=0.7, repetition_penalty=1e-40), "below the smallest one taken"),
+    (dict(frequency_penalty=2.5), "frequency_penalty must be in"),
+    (dict(presence_penalty=-2.01), "presence_penalty must be in"),
+    (dict(presence_penalty=math.nan), "presence_penalty"),
+    (dict(penalty_start=-1), "penalty_start"),
 ])
 def test_invalid_configs_are_refused_with_the_field_named(kwargs, message):
     with pytest.raises(InvalidArgument, match=message):
@@ -33,7 +37,8 @@ def test_invalid_configs_are_refused_with_the_field_named(kwargs, message):
 
 
 def test_proto_round_trip_and_unset_means_off():
-    config = SamplingConfig(temperature=0.75, top_k=5, top_p=0.875, repetition_penalty=1.25, seed=3)  # float32-exact
+    config = SamplingConfig(temperature=0.75, top_k=5, top_p=0.875, repetition_penalty=1.25, seed=3,
+                            frequency_penalty=0.5, presence_penalty=-1.25, penalty_start=7)  # float32-exact
     assert sampling_from_proto(sampling_to_proto(config)) == config
     assert sampling_from_proto(common_pb2.SamplingParams()) == SamplingConfig()
     with pytest.raises(InvalidArgument, match="top_p"):
@@ -160,3 +165,20 @@ def test_every_bit_of_the_seed_counts_and_each_role_draws_its_own_stream():
     assert draws(7, "drafter") != draws(7 + 2**63, "drafter")
     assert draws(7, "drafter") != draws(7, "verifier")
     assert SamplingConfig(temperature=1.0, seed=2**64 - 1).validate().seed == 2**64 - 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_frequency_and_presence_penalties_count_the_output_only(temperature):
+    """OpenAI's rule, worked by hand: each id minus 0.5 per time it occurs in the
+    output (from penalty_start on) and 0.25 if it occurs at all; the prompt's ids
+    (before penalty_start) are not counted, and row i counts the row tokens before it."""
+    config = SamplingConfig(temperature=temperature, frequency_penalty=0.5, presence_penalty=0.25, penalty_start=2)
+    history, drafts = [3, 3, 1, 2, 2], [4]         # output so far: 1 once, 2 twice; 3 only in the prompt
+    scores = transform_logits(torch.zeros(2, 5), history, drafts, config, 5)
+    want = torch.tensor([[0.0, -0.75, -1.25, 0.0, 0.0],
+                         [0.0, -0.75, -1.25, 0.0, -0.75]])   # row 1 also counts the draft before it
+    if temperature:                                  # the sampled path subtracts each row's maximum first
+        want = want - want.amax(dim=-1, keepdim=True)
+    assert torch.equal(scores, want)
+    alone = transform_logits(torch.zeros(1, 5), history + drafts, [], config, 5)
+    assert torch.equal(scores[1], alone[0])           # a verify row is the decode step's

@@ -2,7 +2,7 @@
 coordinator can hold it.
 
 The proposer and the scorer must turn logits into probabilities identically
-(same temperature, top-k, top-p and repetition penalty over the same history),
+(same temperature, top-k, top-p and penalties over the same history),
 or the rejection sampler's output is no longer the target's distribution. So
 there is exactly one transform of this config (specdec.spec.transform), and
 both model services apply it.
@@ -19,6 +19,7 @@ MAX_TOP_K = 1 << 20
 # The smallest temperature and repetition penalty taken: the smallest normal
 # float32 (the wire's type). Below it a float32 loses precision (subnormals).
 MIN_SCALE = 2.0 ** -126
+MAX_ADDITIVE_PENALTY = 2.0  # frequency and presence penalties: OpenAI's range
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,13 @@ class SamplingConfig:
     top_p: float = 1.0                # 1 = off
     repetition_penalty: float = 1.0   # 1 = off
     seed: int | None = None
+    frequency_penalty: float = 0.0    # 0 = off; OpenAI's, over the tokens from penalty_start on
+    presence_penalty: float = 0.0     # 0 = off
+    penalty_start: int = 0            # the output's first position (the prompt's length)
+
+    @property
+    def additive_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
     def greedy(self) -> bool:
@@ -50,6 +58,13 @@ class SamplingConfig:
         if r < MIN_SCALE:
             raise InvalidArgument(f"repetition_penalty {r:g} is below the smallest one taken ({MIN_SCALE:.4g}, the "
                                   "smallest normal float32)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -MAX_ADDITIVE_PENALTY <= value <= MAX_ADDITIVE_PENALTY:
+                raise InvalidArgument(f"{name} must be in [-{MAX_ADDITIVE_PENALTY:g}, {MAX_ADDITIVE_PENALTY:g}] "
+                                      f"(0 = off), got {value}")
+        if self.penalty_start < 0:
+            raise InvalidArgument(f"penalty_start must be >= 0, got {self.penalty_start}")
         return self
 
 

@@ -40,7 +40,7 @@ def transform_logits(
     assert logits.dim() == 2 and len(row_tokens) >= n - 1, (logits.shape, len(row_tokens))
     scores = logits[:, :vocab_size].float()
     penalty = config.repetition_penalty != 1.0
-    if not penalty and config.greedy:
+    if not penalty and not config.additive_penalties and config.greedy:
         return scores
     if penalty:
         # A penalty below 1 divides the seen tokens' positive logits by it, which
@@ -57,6 +57,8 @@ def transform_logits(
             if i < len(row_tokens):
                 prefix.append(int(row_tokens[i]))
         scores = torch.cat(rows)
+    if config.additive_penalties:
+        scores = _additive_penalties(scores, history, row_tokens, config)
     if not config.greedy:
         # Each row's maximum subtracted before the temperature divides: a temperature
         # down to 2^-126 then gives the greedy limit (0 at the maximum, -inf or far
@@ -69,6 +71,24 @@ def transform_logits(
         if truncation:
             scores = truncation(torch.empty((n, 0), dtype=torch.long, device=scores.device), scores)
     return scores.float()
+
+
+def _additive_penalties(scores: torch.Tensor, history: Sequence[int], row_tokens: Sequence[int],
+                        config: SamplingConfig) -> torch.Tensor:
+    """OpenAI's frequency and presence penalties (vLLM's order: after the repetition
+    penalty, before the temperature): row i counts the output tokens before it, those
+    of `history` from `config.penalty_start` on and the row tokens before row i."""
+    n, vocab = scores.shape
+    counts = torch.zeros(vocab, dtype=scores.dtype, device=scores.device)
+    output = [t for t in list(history)[config.penalty_start:] if t < vocab]
+    if output:
+        counts += torch.bincount(torch.tensor(output, device=scores.device), minlength=vocab)[:vocab].to(scores.dtype)
+    rows = []
+    for i in range(n):
+        rows.append(scores[i] - config.frequency_penalty * counts - config.presence_penalty * (counts > 0).to(scores.dtype))
+        if i < len(row_tokens) and int(row_tokens[i]) < vocab:
+            counts[int(row_tokens[i])] += 1
+    return torch.stack(rows)
 
 
 def scores_to_probs(scores: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,9 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingConfig:
         top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0,
         repetition_penalty=float(msg.repetition_penalty) if msg.HasField("repetition_penalty") else 1.0,
         seed=int(msg.seed) if msg.HasField("seed") else None,
+        frequency_penalty=float(msg.frequency_penalty) if msg.HasField("frequency_penalty") else 0.0,
+        presence_penalty=float(msg.presence_penalty) if msg.HasField("presence_penalty") else 0.0,
+        penalty_start=int(msg.penalty_start),
     ).validate()
 
 
@@ -29,6 +32,11 @@ def sampling_to_proto(config: SamplingConfig) -> common_pb2.SamplingParams:
         repetition_penalty=config.repetition_penalty)
     if config.seed is not None:
         msg.seed = config.seed
+    if config.frequency_penalty:
+        msg.frequency_penalty = config.frequency_penalty
+    if config.presence_penalty:
+        msg.presence_penalty = config.presence_penalty
+    msg.penalty_start = config.penalty_start
     return msg
 
 
