@@ -238,3 +238,18 @@ def test_the_coordinator_drafts_with_the_hybrid_proposer_unless_told_otherwise()
                             "Deployment")
     args = {c["name"]: c["args"] for c in deployment["spec"]["template"]["spec"]["containers"]}
     assert "--proposer=model" in args["coordinator"] and "--lookup-history-tokens=4096" in args["coordinator"]
+
+
+def test_the_schemas_choices_are_the_registries():
+    """What the chart lets an operator pick is what the services take: a proposer kind,
+    quantization or dtype registered (or dropped) in the code shows up here, or fails."""
+    import json
+    from coordinator.proposers import KINDS
+    from specdec.runtime.options import DTYPES
+    from specdec.runtime.quant import QUANTIZE
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]
+    assert set(schema["coordinator"]["properties"]["proposer"]["enum"]) == set(KINDS)
+    for service in ("drafter", "verifier"):
+        properties = schema[service]["properties"]
+        assert set(properties["quantize"]["enum"]) == set(QUANTIZE), service
+        assert set(properties["dtype"]["enum"]) == set(DTYPES), service
