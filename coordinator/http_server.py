@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from specdec.rpc.errors import SpecdecError, public_message
+from specdec.rpc.errors import SpecdecError, Unavailable, public_message
 from specdec.rpc.security import ServerTls
 
 from coordinator.openai_api import ChatRequest, CompletionRequest, Reply, error_body, to_generate
@@ -74,9 +74,15 @@ def _error(exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def build_app(servicer, model: str, auth_token: str | None = None) -> FastAPI:
-    """The HTTP front over `servicer` (a CoordinatorServicer), serving `model`."""
+def build_app(servicer, model: str, auth_token: str | None = None,
+              serving: threading.Event | None = None) -> FastAPI:
+    """The HTTP front over `servicer` (a CoordinatorServicer), serving `model`. While
+    `serving` is clear (the verifier down, or the coordinator draining after SIGTERM),
+    new generations get 503 and /health says so; those under way go on."""
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
+    if serving is None:
+        serving = threading.Event()
+        serving.set()
     tokenizer = servicer.backends.tokenizer
     limiter = anyio.CapacityLimiter(servicer.config.max_sessions + 8)   # as the gRPC server's workers
 
@@ -103,7 +109,7 @@ def build_app(servicer, model: str, auth_token: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        up = servicer.backends.verifier_watch.up
+        up = serving.is_set()
         return JSONResponse({"status": "ok" if up else "unavailable"}, status_code=200 if up else 503)
 
     @app.get("/v1/models")
@@ -120,6 +126,9 @@ def build_app(servicer, model: str, auth_token: str | None = None) -> FastAPI:
         return await _serve(body, request, chat=False)
 
     async def _serve(body, request: Request, chat: bool):
+        if not serving.is_set():
+            return _error(Unavailable("the coordinator is not serving (its verifier is down, or it is shutting "
+                                      "down); retry shortly"))
         try:
             generate = to_generate(body, model)
         except SpecdecError as exc:

@@ -316,10 +316,12 @@ def serve(config: CoordinatorConfig, host: str = "127.0.0.1", port: int = 0) -> 
     running.drain = servicer.drain
     if config.http_port is not None:   # the OpenAI-compatible front: the same servicer, its own port
         from coordinator.http_server import HttpFront, build_app
-        front = HttpFront(build_app(servicer, backends.target_info.model, config.auth_token), host,
+        serving = threading.Event()   # follows the gRPC health status: down with the verifier, and on SIGTERM
+        running.on_serving = lambda up: serving.set() if up else serving.clear()
+        front = HttpFront(build_app(servicer, backends.target_info.model, config.auth_token, serving), host,
                           config.http_port, config.tls)
         running.http_port = front.port
-        running.on_stop = front.stop
+        running.on_stop = front.stop   # after the drain: the requests under way have ended
         log.info("OpenAI-compatible HTTP API on http%s://%s:%d/v1", "s" if config.tls else "", host, front.port)
     # The coordinator is ready exactly when its verifier is.
     backends.verifier_watch.on_change(running.set_serving)

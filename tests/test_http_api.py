@@ -147,6 +147,22 @@ def test_bad_requests_raise_the_clients_exception_with_the_reason(client, kwargs
     assert says in body["message"] and body["type"] in ("invalid_request_error", "not_found_error"), body
 
 
+def test_while_not_serving_new_requests_get_503_and_health_says_so(front, client):
+    """What SIGTERM's drain (RunningServer.stop) and a verifier going down do to the
+    gRPC health status, the HTTP front follows: no new generation, /health 503."""
+    health = front.base_url.removesuffix("/v1") + "/health"
+    front.running.set_serving(False)
+    try:
+        assert httpx.get(health).status_code == 503
+        with pytest.raises(openai.APIStatusError) as raised:
+            client.completions.create(model=model_name(client), prompt="hi", max_tokens=2)
+        assert raised.value.status_code == 503 and "retry shortly" in raised.value.body["message"]
+    finally:
+        front.running.set_serving(True)
+    assert httpx.get(health).status_code == 200
+    assert client.completions.create(model=model_name(client), prompt="hi", max_tokens=2).usage.completion_tokens
+
+
 def test_the_bearer_token_is_the_grpc_apis(tiny_target, monkeypatch):
     v = verifier.service.serve(tiny_target)
     try:

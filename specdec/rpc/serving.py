@@ -66,11 +66,15 @@ class RunningServer:
     health_server: grpc.Server | None = None  # the health-only listener, when --health-port is set
     health_port: int | None = None
     on_stop: Callable[[], None] | None = None  # after the server has stopped (a model service: drop its sessions)
+    # Told of every change of the serving status (the coordinator's HTTP front, which has no gRPC health).
+    on_serving: Callable[[bool], None] | None = None
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("",) + self.service_names:
             self.health.set(name, status)
+        if self.on_serving is not None:
+            self.on_serving(serving)
 
     def stop(self, grace_s: float = 5.0) -> None:
         self.set_serving(False)
