@@ -23,6 +23,8 @@ from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.rpc.errors import InvalidArgument, NotFound
+from specdec.spec.sampling import SamplingConfig
+from specdec.spec.wire import sampling_to_proto
 from specdec.v1 import common_pb2, coordinator_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20          # OpenAI's bound for chat; completions' `logprobs` takes up to 5
@@ -126,22 +128,16 @@ def _content(message: dict[str, Any], index: int) -> str:
 
 
 def _sampling(request: _Common) -> common_pb2.SamplingParams:
-    sampling = common_pb2.SamplingParams(temperature=1.0 if request.temperature is None else request.temperature)
-    if request.top_p is not None:
-        sampling.top_p = request.top_p
-    if request.top_k is not None and request.top_k > 0:   # vLLM's -1 and 0 both mean off
-        sampling.top_k = request.top_k
-    if request.repetition_penalty is not None:
-        sampling.repetition_penalty = request.repetition_penalty
-    if request.frequency_penalty:
-        sampling.frequency_penalty = request.frequency_penalty
-    if request.presence_penalty:
-        sampling.presence_penalty = request.presence_penalty
-    if request.seed is not None:
-        if request.seed < 0:
-            raise InvalidArgument(f"seed={request.seed} must be >= 0")
-        sampling.seed = request.seed
-    return sampling
+    """OpenAI's sampling fields as the one SamplingConfig (validated where Generate's are)."""
+    if request.seed is not None and request.seed < 0:
+        raise InvalidArgument(f"seed={request.seed} must be >= 0")
+    return sampling_to_proto(SamplingConfig(
+        temperature=1.0 if request.temperature is None else request.temperature,   # OpenAI's default
+        top_k=max(request.top_k or 0, 0),                                          # vLLM's -1 and 0: off
+        top_p=1.0 if request.top_p is None else request.top_p,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        seed=request.seed, frequency_penalty=request.frequency_penalty or 0.0,
+        presence_penalty=request.presence_penalty or 0.0))
 
 
 def to_generate(request: _Common, served_model: str) -> pb.GenerateRequest:
