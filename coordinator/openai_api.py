@@ -27,8 +27,7 @@ from specdec.spec.sampling import SamplingConfig
 from specdec.spec.wire import sampling_to_proto
 from specdec.v1 import common_pb2, coordinator_pb2 as pb
 
-MAX_TOP_LOGPROBS = 20          # OpenAI's bound for chat; completions' `logprobs` takes up to 5
-MAX_COMPLETION_LOGPROBS = 5
+MAX_COMPLETION_LOGPROBS = 5    # completions' `logprobs` (chat's top_logprobs: Generate's bound, up to 20)
 # Set to anything but their "off" value, these change the output in ways this service does not do.
 REFUSED = {
     "tools": None, "tool_choice": None, "functions": None, "function_call": None, "response_format": None,
@@ -94,7 +93,7 @@ class ChatRequest(_Common):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)   # the bound and logprobs' need: Generate's checks
 
 
 class CompletionRequest(_Common):
@@ -166,10 +165,6 @@ def to_generate(request: _Common, served_model: str) -> pb.GenerateRequest:
             raise InvalidArgument("'messages' must hold at least one message")
         out.messages.messages.extend(pb.ChatMessage(role=str(m.get("role", "")), content=_content(m, i))
                                      for i, m in enumerate(request.messages))
-        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidArgument(f"top_logprobs={request.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
-        if request.top_logprobs and not request.logprobs:
-            raise InvalidArgument("top_logprobs needs logprobs: true")
         out.logprobs, out.top_logprobs = request.logprobs, request.top_logprobs or 0
     else:
         prompt = request.prompt

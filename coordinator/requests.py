@@ -8,7 +8,7 @@ import hashlib
 from dataclasses import dataclass
 
 from specdec.rpc.errors import InvalidArgument
-from specdec.spec.limits import validate_token_ids
+from specdec.spec.limits import MAX_TOP_LOGPROBS, validate_token_ids
 from specdec.v1 import coordinator_pb2
 from specdec.spec.wire import sampling_from_proto
 
@@ -22,7 +22,6 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 PROPOSER_KINDS = {coordinator_pb2.PROPOSER_KIND_UNSPECIFIED: "",
                   **{coordinator_pb2.ProposerKind.Value(f"PROPOSER_KIND_{name.upper()}"): name for name in KINDS}}
 MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20   # as OpenAI's API (and the verifier) bound top_logprobs
 MAX_STOP_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
 MAX_CHAT_MESSAGES = 4096  # a conversation's turns; its size in tokens is bounded by the context anyway

@@ -6,11 +6,10 @@ import logging
 
 from specdec.rpc.errors import InvalidArgument
 from specdec.service.model_service import ModelServiceBase, serve_model
-from specdec.spec.limits import MAX_PROPOSE_TOKENS, validate_token_ids
+from specdec.spec.limits import MAX_PROPOSE_TOKENS, MAX_TOP_LOGPROBS, validate_token_ids
 from specdec.runtime.models import LoadedModel
 from specdec.rpc.serving import RunningServer
 from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specdec.spec.transform import MAX_TOP_LOGPROBS
 from specdec.spec.wire import draft_probs_from_proto, logprobs_to_proto, sampling_from_proto
 from specdec.spec.draft_probs import draft_probs_tensor
 

@@ -5,6 +5,7 @@ from typing import Sequence
 
 from specdec.rpc.errors import InvalidArgument
 
+MAX_TOP_LOGPROBS = 20   # the most likely tokens sent beside each output token's logprob (OpenAI's bound)
 MAX_PROPOSE_TOKENS = 32  # draft tokens one round may carry (a lookup's and the model's together)
 
 

@@ -118,7 +118,6 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 LOGPROB_FLOOR = -9999.0  # a token the transform removed: OpenAI's API writes this, not -inf
-MAX_TOP_LOGPROBS = 20
 
 
 def token_logprobs(scores: torch.Tensor, token_ids: Sequence[int], top: int) -> list[tuple]:
