@@ -14,14 +14,15 @@ import grpc
 from opentelemetry import trace
 
 from specdec.rpc.errors import TRANSPORT_CODES, RemoteError, public_message
-from specdec.spec.proposer import MODEL, NGRAM, Proposer, ProposerUnavailable
+from specdec.spec.proposers import MODEL
+from specdec.spec.proposers.model import ModelProposer, ProposerUnavailable
 from specdec.spec.types import BatchLoad, Commit, Decoded, Proposal, RejectionOutput, runs
 from specdec.spec.sampling import SamplingConfig
 from specdec.rpc import telemetry
 from specdec.rpc.security import ClientTls
 from specdec.rpc.serving import channel
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specdec.spec.wire import ONE_HOT, Truncation, draft_probs_from_proto, draft_probs_to_proto, sampling_to_proto
+from specdec.spec.wire import Truncation, draft_probs_from_proto, draft_probs_to_proto, sampling_to_proto
 
 log = logging.getLogger("coordinator")
 Timeout = Callable[[], "float | None"]  # seconds left of the caller's deadline
@@ -138,7 +139,7 @@ class VerifierClient(ModelClient):
     def verify(self, session_id: str, proposal: Proposal, sampling: SamplingConfig,
                timeout: float | None = None, logprobs: int | None = None) -> RejectionOutput:
         """`logprobs` set: the output tokens' TokenLogprobs come back too, with that many top tokens."""
-        draft = verifier_pb2.VerifyRequest(draft_token_ids=proposal.token_ids,
+        draft = verifier_pb2.VerifyRequest(draft_token_ids=proposal.token_ids, free_tokens=proposal.free_tokens,
                                            draft_probs=draft_probs_to_proto(proposal.draft_probs))
         draft_bytes = draft.ByteSize()  # the draft's share of the request: its ids and probabilities
         draft.session_id = session_id
@@ -209,7 +210,7 @@ class DrafterClient(ModelClient):
                 truncation: Truncation = Truncation()) -> Proposal:
         """Raises grpc.RpcError as it is (grpc.FutureCancelledError where it was abandoned):
         the proposer decides what a failure means.
-        The proposal is `prefix` (one-hot: a lookup's), then the model's drafts."""
+        The drafter takes `prefix` (a free source's tokens) as drafted; the proposal is its drafts after them."""
         request = drafter_pb2.ProposeRequest(session_id=session_id, num_tokens=num_tokens,
                                              sampling=sampling_to_proto(sampling), min_confidence=min_confidence,
                                              draft_prefix_ids=prefix, truncation_top_k=truncation.top_k)
@@ -219,10 +220,9 @@ class DrafterClient(ModelClient):
             request.commit.num_accepted = commit.num_accepted
             request.commit.target_token_ids.extend(commit.target_token_ids)
         reply = self._track(self.stub.Propose.future(request, timeout=timeout)).result()
-        probs = draft_probs_from_proto(reply.draft_probs)
-        return Proposal((*prefix, *reply.draft_token_ids), (ONE_HOT,) * len(prefix) + probs if probs else (),
+        return Proposal(tuple(reply.draft_token_ids), draft_probs_from_proto(reply.draft_probs),
                         tuple(reply.draft_confidences), BatchLoad.from_proto(reply.batch),
-                        runs((NGRAM, len(prefix)), (MODEL, len(reply.draft_token_ids))))
+                        runs((MODEL, len(reply.draft_token_ids))))
 
 
 def _abandoned(method: str) -> ProposerUnavailable:
@@ -230,8 +230,8 @@ def _abandoned(method: str) -> ProposerUnavailable:
                                f"request waited on its {method})", grpc.StatusCode.UNAVAILABLE)
 
 
-class RemoteDraftProposer(Proposer):
-    """The drafter service as a Proposer, for one request. StartSession is sent
+class RemoteDraftProposer(ModelProposer):
+    """The drafter service as the draft model of one request. StartSession is sent
     without waiting, so it overlaps the verifier's prefill; the first Propose
     waits for it. A drafter failure becomes ProposerUnavailable (the loop goes
     on target-only); the caller's cancellation or deadline stays what it is."""

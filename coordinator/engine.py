@@ -1,7 +1,7 @@
 """The speculative loop.
 
-One round: the proposer drafts gamma tokens (an n-gram lookup's first, free,
-then the draft model's; the previous round's commit rides along), the verifier
+One round: the proposer drafts gamma tokens (a free source's first, such as an
+n-gram lookup's, then the draft model's; the previous round's commit rides along), the verifier
 scores them in one target forward pass and runs the rejection sampler, and the
 accepted drafts plus the target's recovered or bonus token are the round's
 output. With speculation off, the verifier decodes alone.
@@ -11,10 +11,12 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from specdec.rpc.errors import Cancelled, DeadlineExceeded
-from specdec.spec.proposer import MODEL, NGRAM, Proposer, ProposerUnavailable
+from specdec.spec.proposers import MODEL
+from specdec.spec.proposers.drafts import Drafts
+from specdec.spec.proposers.model import ProposerUnavailable
 from specdec.spec.types import Commit, Decoded, Lookup, Proposal, RejectionOutput
 from specdec.spec.sampling import SamplingConfig
 from specdec.rpc import telemetry
@@ -33,11 +35,12 @@ DECODE_CHUNK = 16  # target-only tokens per Decode call (one streamed message ea
 FIXED_MIN_MATCH = 3  # fixed γ: a lookup backed by this many context tokens drafts before the model
 
 
-def fixed_plan(lookup: Lookup, gamma: int, model: bool) -> Plan:
-    """A fixed γ's round: γ tokens, a lookup's first when its match is long
-    enough (any match, without a model), the model's after them."""
-    ngram = min(len(lookup.token_ids), gamma) if lookup.match_length >= (FIXED_MIN_MATCH if model else 1) else 0
-    return Plan.of(ngram, gamma - ngram if model else 0)
+def fixed_plan(lookups: Sequence[Lookup], gamma: int, model: bool) -> Plan:
+    """A fixed γ's round: γ tokens, the best-backed candidate's first when its match
+    is long enough (any candidate, without a model), the model's after them."""
+    best = max(lookups, key=lambda lookup: lookup.match_length, default=Lookup())
+    free = min(len(best.token_ids), gamma) if best.match_length >= (FIXED_MIN_MATCH if model else 0) else 0
+    return Plan.of(free, gamma - free if model else 0, best.source)
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class GenerationRequest:
     proposer: str = ""              # "hybrid", "model" or "ngram"; "": the server's default
     cache_salt: bytes = b""         # the prefix caches reuse only blocks kept under the same salt
     logprobs: int | None = None     # each output token's TokenLogprob, with this many top tokens (None: not asked)
+    sources: tuple[str, ...] = ()   # the draft sources by name, overriding `proposer`
 
 
 @dataclass
@@ -78,7 +82,7 @@ class SpeculativeEngine:
         self.metrics = metrics or Metrics()
         self.on_proposer_failure = on_proposer_failure
 
-    def generate(self, request: GenerationRequest, proposer: Proposer | None,
+    def generate(self, request: GenerationRequest, proposer: Drafts | None,
                  timeout: Callable[[], float | None] = lambda: None,
                  cancelled: Callable[[], bool] = lambda: False, session_id: str | None = None,
                  fallback: str = "") -> Iterator[Update]:
@@ -147,7 +151,8 @@ class SpeculativeEngine:
         if request.adaptive:
             state = self.gamma_priors.start(request.sampling)
             budget = Exploration.for_request(state.cost, request.max_new_tokens - 1, g.stats.probes)
-            g.controller = GammaController(request.gamma_max, state, load=self.load, exploration=budget)
+            g.controller = GammaController(request.gamma_max, state, load=self.load, exploration=budget,
+                                           free_sources=tuple(g.proposer.sources))
         probed = False  # the drafter's prefill was not expected to pay, and is taken as a probe
         if g.controller is not None and g.proposer.drafts_with_model:
             # What is left to prefill: the drafter's prefix cache may hold the prompt's start.
@@ -192,7 +197,7 @@ class SpeculativeEngine:
             g.stats.gamma = 0
             g.stats.fallback = f"{why}; this request went target-only (same output, slower)"
         else:
-            g.stats.fallback = f"{why}; this request drafted with n-gram lookups alone (same output)"
+            g.stats.fallback = f"{why}; this request drafted with its free sources alone (same output)"
             if g.controller is not None:
                 g.controller.without_model()
         g.proposer = free
@@ -233,17 +238,18 @@ class SpeculativeEngine:
         commit: Commit | None = None  # what the proposer has not yet been told
         while True:
             with telemetry.tracer.start_as_current_span("round") as span:
-                # 1. Plan the round: lookup tokens (free) first, then model drafts after
+                # 1. Plan the round: a free source's tokens first, then model drafts after
                 #    them, by fixed γ or by the controller; the verifier always adds one token.
                 #    (A proposer that cannot go on raises here, before anything is sent.)
                 proposer.keep_alive()
                 limit = max(0, request.max_new_tokens - len(g.output.token_ids) - 1)
-                lookup = proposer.lookup(g.context, limit)
+                lookups = proposer.candidates(g.context, limit)
                 if controller is not None:
-                    plan = controller.plan(lookup, limit)
+                    plan = controller.plan(lookups, limit)
                     controller.begin(plan)
                 else:
-                    plan = fixed_plan(lookup, min(request.gamma_max, limit), proposer.drafts_with_model)
+                    plan = fixed_plan(lookups, min(request.gamma_max, limit), proposer.drafts_with_model)
+                taken = next((c for c in lookups if c.source == plan.free_source), Lookup())
                 # 2. Propose; the previous round's commit rides on the call.
                 proposal, draft_ms, min_confidence = Proposal(()), 0.0, 0.0
                 if plan.drafted > 0:
@@ -251,7 +257,7 @@ class SpeculativeEngine:
                     if controller is not None and request.confidence_stop and plan[MODEL]:
                         min_confidence = controller.min_confidence()  # the drafter may stop short of γ
                     proposal = proposer.propose(plan[MODEL], request.sampling, commit, min_confidence,
-                                                lookup.token_ids[: plan[NGRAM]])
+                                                Lookup(taken.token_ids[: plan[taken.source]], source=taken.source))
                     draft_ms = (time.perf_counter() - started) * 1e3
                     commit = None
                 # 3. Verify: one target forward pass over the draft, then the rejection sampler.
@@ -261,7 +267,7 @@ class SpeculativeEngine:
                 started = time.perf_counter()
                 if not proposal.token_ids:
                     steps = 1 if controller is None else \
-                        controller.decode_steps(min(DECODE_CHUNK, limit + 1), proposer.looks_up)
+                        controller.decode_steps(min(DECODE_CHUNK, limit + 1))
                     decoded = self._observe_load(self.verifier.decode(g.session_id, steps, request.sampling,
                                                                       g.timeout(), request.logprobs))
                     target_ids = decoded.token_ids
@@ -286,7 +292,7 @@ class SpeculativeEngine:
                     draft_batch_rows=proposal.batch.mean_rows, draft_batch_calls=proposal.batch.mean_calls,
                     draft_queue_ms=proposal.batch.queue_ms, verify_batch_rows=result.batch.mean_rows,
                     verify_batch_calls=result.batch.mean_calls, verify_queue_ms=result.batch.queue_ms,
-                    sources=proposal.sources, lookup_match=lookup.match_length if proposal.tokens_from(NGRAM) else 0,
+                    sources=proposal.sources, lookup_match=taken.match_length if proposal.free_tokens else 0,
                     draft_bytes=result.draft_bytes)
                 self._record(record, stats, controller)
                 span.set_attributes(record.span_attributes())
@@ -336,6 +342,6 @@ class Generation:
     stats: Stats
     output: OutputAccumulator
     timeout: Callable[[], float | None]        # seconds left of the caller's deadline (None: no deadline)
-    proposer: Proposer | None                  # None: target-only from here on
+    proposer: Drafts | None                    # None: target-only from here on
     controller: GammaController | None = None  # adaptive γ's, once the first token is out
     context: list[int] = field(default_factory=list)  # every token decided: what lookups search

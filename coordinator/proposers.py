@@ -1,43 +1,58 @@
-"""Proposer kinds, by name: who drafts a request's tokens. A new kind is one
-module with its Proposer plus one `register(...)` here (and its ProposerKind value
-in coordinator.proto, PROPOSER_KIND_<NAME>, for requests to ask for it by name);
-the servicer, the flags and the request mapping take the kinds from this table.
+"""Proposer kinds: named sets of draft sources (specdec.spec.proposers), which
+requests ask for by their ProposerKind value (PROPOSER_KIND_<NAME>) and the
+server's --proposer names; a request may instead name its sources
+(`Speculation.sources`). A kind is data: adding a draft source adds nothing here
+(the hybrid takes every registered free source).
 
-A kind is built per request from what the coordinator has: the drafter (as a
-model proposer, when it is up) and the caller's recent outputs. One that needs
-the drafter and cannot have it says what it falls back to."""
+A request's `Drafts` is built from its sources and what the coordinator has:
+the drafter (as the model, when it is up) and the caller's recent outputs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from specdec.spec.hybrid import HybridProposer
-from specdec.spec.ngram import RecentOutputs
-from specdec.spec.proposer import Proposer
+from specdec.rpc.errors import InvalidArgument
+from specdec.spec.proposers import MODEL, SOURCES, names
+from specdec.spec.proposers.drafts import Drafts
+from specdec.spec.proposers.model import ModelProposer
 
 
 @dataclass(frozen=True)
 class ProposerKind:
     name: str
-    # (the drafter as a proposer, or None where there is none; recent outputs) -> the request's proposer
-    build: Callable[[Proposer | None, RecentOutputs | None], Proposer | None]
-    needs_drafter: bool = False    # useless without it: refused where the coordinator runs without one
-    uses_drafter: bool = True      # asks for the drafter (so the coordinator connects to one)
+    sources: Callable[[], tuple[str, ...]]   # read when used: a source registered later is included
     help: str = ""
 
+    @property
+    def uses_drafter(self) -> bool:          # asks for the drafter (so the coordinator connects to one)
+        return MODEL in self.sources()
 
-KINDS: dict[str, ProposerKind] = {}
+    @property
+    def needs_drafter(self) -> bool:         # useless without it: refused where the coordinator runs without one
+        return self.sources() == (MODEL,)
 
 
-def register(kind: ProposerKind) -> ProposerKind:
-    KINDS[kind.name] = kind
-    return kind
+KINDS: dict[str, ProposerKind] = {kind.name: kind for kind in (
+    ProposerKind("hybrid", names, help="every free source (n-gram lookups in the prompt, the output and recent "
+                                       "outputs), then the drafter where they find nothing or beyond them"),
+    ProposerKind("model", lambda: (MODEL,), help="the drafter alone"),
+    ProposerKind("ngram", lambda: ("ngram",), help="the lookups alone, no drafter"),
+)}
 
 
-register(ProposerKind(
-    "hybrid", lambda model, recent: HybridProposer(model, recent),
-    help="n-gram lookups in the prompt, the output and recent outputs, free, then the drafter where they find "
-         "nothing or beyond them"))
-register(ProposerKind("model", lambda model, recent: model, needs_drafter=True, help="the drafter alone"))
-register(ProposerKind("ngram", lambda model, recent: HybridProposer(None, recent), uses_drafter=False,
-                      help="the lookups alone, no drafter"))
+def checked_sources(asked) -> tuple[str, ...]:
+    """A request's `Speculation.sources`, each known and named once."""
+    asked = tuple(asked)
+    unknown = [name for name in asked if name not in names()]
+    if unknown or len(set(asked)) != len(asked):
+        raise InvalidArgument(f"speculation.sources={list(asked)}: name each source once, from "
+                              f"{', '.join(names())}")
+    return asked
+
+
+def build(sources: tuple[str, ...], model: ModelProposer | None, recent) -> Drafts | None:
+    """The request's drafts from its sources: the model where it is asked for and
+    there is one; None where nothing is left to draft with (target-only)."""
+    free = {name: SOURCES[name].build(recent) for name in sources if name != MODEL}
+    model = model if MODEL in sources else None
+    return Drafts(model, free) if model is not None or free else None

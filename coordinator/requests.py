@@ -14,7 +14,7 @@ from specdec.spec.wire import sampling_from_proto
 
 from coordinator.engine import GenerationRequest, Update
 from coordinator.stats import stats_to_proto
-from coordinator.proposers import KINDS
+from coordinator.proposers import KINDS, checked_sources
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # ProposerKind values -> the kinds registered in coordinator.proposers (PROPOSER_KIND_<NAME> asks for kind
@@ -173,7 +173,8 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
     return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop, adaptive, request.ignore_eos,
                              confidence_stop, PROPOSER_KINDS[request.speculation.proposer],
                              request.cache_salt.encode("utf-8"),
-                             request.top_logprobs if request.logprobs else None)
+                             request.top_logprobs if request.logprobs else None,
+                             checked_sources(request.speculation.sources))
 
 
 def prefix_salt(request_salt: bytes, caller: str, shared: bool) -> bytes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from specdec.spec.proposer import MODEL
+from specdec.spec.proposers import MODEL
 from specdec.spec.types import Runs, judged, runs
 
 
@@ -31,7 +31,7 @@ class RoundRecord:
     verify_queue_ms: float = 0.0
     # Who drafted which, in draft order (e.g. a lookup's tokens, then the model's
     # after them); empty: the draft model drafted them all. `lookup_match`: how many
-    # context tokens the lookup's match was long.
+    # context tokens backed the free source's candidate (a lookup's match length).
     sources: Runs = ()
     lookup_match: int = 0
     draft_bytes: int = 0        # draft data sent to the verifier: token ids and probabilities
@@ -62,6 +62,11 @@ class RoundRecord:
                 return self.accepted >= offset
             offset += drafted
         return False
+
+    @property
+    def free_source(self) -> str:
+        """The free source whose tokens led this round ("": none)."""
+        return next((name for name, _, _ in self.by_source() if name != MODEL), "")
 
     @property
     def source(self) -> str:

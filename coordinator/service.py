@@ -16,8 +16,10 @@ from opentelemetry.trace import SpanKind
 from specdec.rpc import telemetry
 from specdec.rpc.errors import FailedPrecondition, ResourceExhausted, Unavailable, unavailable_message
 from specdec.spec.limits import MAX_PROPOSE_TOKENS
-from specdec.spec.ngram import RecentOutputs
-from specdec.spec.proposer import Proposer, ProposerUnavailable
+from specdec.spec.proposers import MODEL
+from specdec.spec.proposers.drafts import Drafts
+from specdec.spec.proposers.model import ProposerUnavailable
+from specdec.spec.proposers.ngram import RecentOutputs
 from specdec.spec.wire import Truncation
 from specdec.rpc.security import ClientTls, ServerTls, caller_identity
 from specdec.rpc.serving import MAX_PUBLIC_MESSAGE_BYTES, RunningServer, start_server
@@ -29,7 +31,7 @@ from coordinator.engine import GenerationRequest, SpeculativeEngine
 from coordinator.gamma import Acceptance, CostModel
 from coordinator.gamma.bound import describe as describe_bound, fixed_gamma
 from coordinator.metrics import Metrics
-from coordinator.proposers import KINDS
+from coordinator.proposers import KINDS, build
 from coordinator.settings import DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P
 from coordinator.requests import (Limits, max_token_chars, prefix_salt, request_attributes, response_attributes,
                                   to_domain, update_to_proto)
@@ -173,33 +175,36 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             return recent
 
     def _proposer(self, domain: GenerationRequest, timeout,
-                  history: tuple[str, bytes] = ("", b"")) -> tuple[Proposer | None, str]:
-        """The request's proposer (as it asks, or the server's), or None and why not."""
+                  history: tuple[str, bytes] = ("", b"")) -> tuple[Drafts | None, str]:
+        """The request's drafts (its sources as it names them, or its kind's, or the
+        server's), or None and why not."""
         kind = KINDS[domain.proposer or self.config.proposer]
+        sources = domain.sources or kind.sources()
         # A seeded sample must not depend on what other requests wrote: its drafts
         # (and so its draws) come from its own tokens only.
         seeded = domain.sampling.seed is not None and not domain.sampling.greedy
         recent = None if seeded else self.recent_outputs(history)
-        if not kind.uses_drafter:
-            return kind.build(None, recent), ""
+        if MODEL not in sources:
+            return build(sources, None, recent), ""
         if self.backends.drafter is None:
-            if kind.needs_drafter:
-                raise FailedPrecondition(f"this coordinator runs without a drafter (--proposer ngram); the "
-                                         f"{kind.name} proposer needs one: ask for another, or leave it unset")
-            return kind.build(None, recent), ""
+            if sources == (MODEL,):
+                asked = f"the {kind.name} proposer" if not domain.sources else "the model source"
+                raise FailedPrecondition(f"this coordinator runs without a drafter (--proposer ngram); {asked} "
+                                         "needs one: ask for another, or leave it unset")
+            return build(sources, None, recent), ""
         if not self.backends.drafter_up:
             # Go on without the model until the watcher finds the drafter again.
             self.metrics.fallbacks.inc()
-            free = kind.build(None, recent)
+            free = build(sources, None, recent)
             why = "the drafter was down when this request started; "
-            return (free, why + ("it drafted with n-gram lookups alone (same output)" if free is not None else
+            return (free, why + ("it drafted with its free sources alone (same output)" if free is not None else
                                  "it went target-only (same output, slower)"))
         ttl = self.backends.draft_info.session_ttl_s if self.backends.draft_info else 0.0
         model = RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint, timeout,
                                     self.config.drafter_timeout_s, self.config.draft_truncation,
                                     keep_alive_s=ttl / 4 if ttl > 0 else DEFAULT_KEEP_ALIVE_S,
                                     is_up=lambda: self.backends.drafter_up, cache_salt=domain.cache_salt)
-        return kind.build(model, recent), ""
+        return build(sources, model, recent), ""
 
     def _proposer_failed(self, exc: ProposerUnavailable) -> None:
         # Stop using it until the watcher has checked it again.

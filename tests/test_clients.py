@@ -16,10 +16,12 @@ from coordinator import clients
 from coordinator.clients import DrafterClient, RemoteDraftProposer, VerifierClient
 from specdec.rpc.errors import RemoteError
 from specdec.runtime.cost_curve import CostCurve
-from specdec.spec.proposer import MODEL, NGRAM, ProposerUnavailable
+from specdec.spec.proposers import MODEL
+from specdec.spec.proposers.model import ProposerUnavailable
+from specdec.spec.proposers.ngram import NGRAM
 from specdec.spec.types import Commit, Proposal
 from specdec.spec.sampling import SamplingConfig
-from specdec.spec.wire import ONE_HOT, DraftProbs, Truncation
+from specdec.spec.wire import DraftProbs, Truncation
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 FINGERPRINT = "f" * 64
@@ -111,16 +113,17 @@ def test_verify_sends_the_draft_and_reads_the_rejection_output_with_its_batching
         batch=common_pb2.BatchStats(forwards=2, rows=12, calls=6, queue_ms=3.5))]
     client = VerifierClient(address)
     probs = DraftProbs((5, 9), np.array([0.75, 0.25], np.float16).tobytes())
-    proposal = Proposal((7, 5, 8), (ONE_HOT, probs, ONE_HOT), sources=((NGRAM, 1), (MODEL, 2)))
+    last = DraftProbs((8,), np.array([1.0], np.float16).tobytes())
+    proposal = Proposal((7, 5, 8), (probs, last), sources=((NGRAM, 1), (MODEL, 2)), free_tokens=1)
     result = client.verify("s1", proposal, SAMPLED)
     (sent,) = verifier.requests["Verify"]
-    assert (sent.session_id, list(sent.draft_token_ids)) == ("s1", [7, 5, 8])
-    assert [list(p.token_ids) for p in sent.draft_probs] == [[], [5, 9], []]
+    assert (sent.session_id, list(sent.draft_token_ids), sent.free_tokens) == ("s1", [7, 5, 8], 1)
+    assert [list(p.token_ids) for p in sent.draft_probs] == [[5, 9], [8]]   # none for the lookup's token
     assert sent.sampling.temperature == pytest.approx(0.7) and sent.sampling.seed == 3
     assert (result.num_accepted, result.next_token_id, result.bonus) == (2, 42, False)
     assert (result.batch.forwards, result.batch.mean_rows, result.batch.mean_calls) == (2, 6.0, 3.0)
     # The draft's bytes are its ids and probabilities, serialized: the session id and sampling are not counted.
-    alone = verifier_pb2.VerifyRequest(draft_token_ids=[7, 5, 8], draft_probs=sent.draft_probs)
+    alone = verifier_pb2.VerifyRequest(draft_token_ids=[7, 5, 8], draft_probs=sent.draft_probs, free_tokens=1)
     assert result.draft_bytes == alone.ByteSize() > 0
     assert result.output_token_ids(proposal.token_ids) == [7, 5, 42]
     client.close()
@@ -165,7 +168,7 @@ def remote(address: str, **options) -> RemoteDraftProposer:
     return RemoteDraftProposer(DrafterClient(address), FINGERPRINT, **options)
 
 
-def test_a_proposal_is_the_lookup_prefix_then_the_models_drafts_each_by_its_source(scripted):
+def test_the_drafter_takes_the_lookups_tokens_and_the_proposal_is_its_own_drafts(scripted):
     _, drafter, address = scripted
     probs = [common_pb2.DraftProbs(token_ids=[11, 12], probs_fp16=np.array([0.5, 0.5], np.float16).tobytes())] * 2
     drafter.replies["Propose"] = [drafter_pb2.ProposeResponse(draft_token_ids=[11, 12], draft_confidences=[0.9, 0.5],
@@ -178,8 +181,8 @@ def test_a_proposal_is_the_lookup_prefix_then_the_models_drafts_each_by_its_sour
     assert list(sent.draft_prefix_ids) == [7] and sent.num_tokens == 2 and sent.min_confidence == 0.25
     assert (sent.commit.num_accepted, list(sent.commit.target_token_ids)) == (1, [4])
     assert sent.truncation_top_k == 8 and sent.truncation_top_p == pytest.approx(0.9)
-    assert proposal.token_ids == (7, 11, 12) and proposal.sources == ((NGRAM, 1), (MODEL, 2))
-    assert proposal.draft_probs[0] == ONE_HOT and proposal.draft_probs[1].token_ids == (11, 12)
+    assert proposal.token_ids == (11, 12) and proposal.sources == ((MODEL, 2),) and proposal.free_tokens == 0
+    assert [entry.token_ids for entry in proposal.draft_probs] == [(11, 12), (11, 12)]
     assert proposal.confidences == pytest.approx((0.9, 0.5))
     proposer.end()
     assert eventually(lambda: [r.session_id for r in drafter.requests.get("EndSession", [])] == ["s1"])

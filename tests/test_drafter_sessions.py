@@ -12,7 +12,7 @@ import pytest
 import drafter.service
 from coordinator.clients import DrafterClient, RemoteDraftProposer
 from coordinator.service import DRAFTER_DOWN_CODES
-from specdec.spec.proposer import ProposerUnavailable
+from specdec.spec.proposers.model import ProposerUnavailable
 from specdec.spec.sampling import SamplingConfig
 from specdec.rpc.serving import channel
 from specdec.v1 import common_pb2, coordinator_pb2 as pb, drafter_pb2_grpc

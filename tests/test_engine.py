@@ -8,8 +8,10 @@ import pytest
 
 from coordinator.engine import GenerationRequest, SpeculativeEngine
 from specdec.rpc.errors import Cancelled
-from specdec.spec.proposer import MODEL, Proposer, ProposerUnavailable
-from specdec.spec.types import Commit, Decoded, Lookup, Proposal, RejectionOutput, runs
+from specdec.spec.proposers import MODEL
+from specdec.spec.proposers.drafts import Drafts
+from specdec.spec.proposers.model import ModelProposer, ProposerUnavailable
+from specdec.spec.types import Commit, Decoded, Proposal, RejectionOutput, runs
 from specdec.spec.sampling import SamplingConfig
 
 VOCAB, EOS = 50, 49
@@ -68,7 +70,7 @@ class ScriptedVerifier:
         self.sessions.pop(session_id, None)
 
 
-class ScriptedProposer(Proposer):
+class ScriptedProposer(ModelProposer):
     """A draft model that agrees with the target except at every `wrong_every`-th
     draft it makes; it fails (as a dead drafter would) at its `fail_at`-th call."""
 
@@ -101,9 +103,6 @@ class ScriptedProposer(Proposer):
         self.pending = tuple(out)
         return Proposal(tuple(out), sources=runs((MODEL, len(out))))
 
-    def lookup(self, context, max_tokens):
-        return Lookup()
-
     def end(self):
         self.ended += 1
 
@@ -119,7 +118,7 @@ PROMPT = (3, 1, 4, 1, 5)
 
 
 def generate(engine, proposer, request, **kw):
-    updates = list(engine.generate(request, proposer, **kw))
+    updates = list(engine.generate(request, proposer and Drafts(proposer), **kw))
     tokens = [t for u in updates for t in u.delta.token_ids]
     return tokens, updates[-1]
 
@@ -166,7 +165,7 @@ def test_a_cancelled_request_stops_between_rounds_and_ends_both_sessions():
     engine = SpeculativeEngine(verifier, Characters(), (EOS,))
     seen = []
     with pytest.raises(Cancelled, match="cancelled by the client"):
-        for update in engine.generate(GenerationRequest(PROMPT, 100, GREEDY, 2, ignore_eos=True), proposer,
+        for update in engine.generate(GenerationRequest(PROMPT, 100, GREEDY, 2, ignore_eos=True), Drafts(proposer),
                                       cancelled=lambda: len(seen) >= 3):
             seen.append(update)
     assert len(seen) == 3 and proposer.ended == 1 and verifier.ended and not verifier.sessions

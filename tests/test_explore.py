@@ -16,7 +16,8 @@ from coordinator.gamma.bound import describe
 from coordinator.gamma.explore import (BUDGET_SHARE, LOOKUP_ROUND, MODEL_ROUND, PREFILL, Exploration, break_even,
                                        upper_acceptance, within_reach)
 from specdec.runtime.cost_curve import CostCurve
-from specdec.spec.proposer import MODEL
+from specdec.spec.proposers import MODEL
+from specdec.spec.proposers.ngram import NGRAM
 from specdec.spec.types import Lookup
 from tests.conftest import coordinator_stub
 from tests.test_end_to_end import generate
@@ -108,7 +109,7 @@ def test_on_flat_curves_the_model_drafts_at_the_pairs_acceptance_and_the_bound_i
     state = ControllerState(cost=CostModel.from_curves(FLAT_DRAFT, FLAT_VERIFY),
                             acceptance=Acceptance(alpha=0.8, count=200.0), reach=Acceptance(alpha=0.8, count=200.0))
     c = GammaController(16, state)
-    plan = c.plan(Lookup((), 0), limit=100)
+    plan = c.plan([], limit=100)
     assert plan[MODEL] >= 3, plan
     # The bound's ceiling, from the curve alone: γ + 1 rows verified in T(γ + 1) against one in T(1).
     ceiling, gamma = max(((g + 1) * FLAT_VERIFY[0] / FLAT_VERIFY[g], g) for g in range(1, len(FLAT_VERIFY)))
@@ -121,7 +122,7 @@ def test_lookup_probes_need_reach_too():
     assert break_even(c.state.cost, c.gamma_max, drafts_cost=False) is None
     plans = []
     for _ in range(40):
-        plans.append(c.plan(Lookup((5, 6, 7), 1), limit=100))
+        plans.append(c.plan([Lookup((5, 6, 7), 1, NGRAM)], limit=100))
         c.begin(plans[-1])
     assert not any(p.lookup_probe for p in plans) and LOOKUP_ROUND not in c.exploration.ledger
 
@@ -182,22 +183,24 @@ def test_a_token_a_call_for_lookups_that_keep_nothing_is_charged_until_the_budge
     # call, a model probe neither possible (no model) nor waited for.
     from coordinator.gamma.explore import LOOKUP_WAIT
     from coordinator.rounds import RoundRecord
-    from specdec.spec.proposer import NGRAM
+
     c = controller(budget_ms=4 * 5.0 + 0.1)
     c.without_model()
     assert c.state.cost.call_overhead_ms() == pytest.approx(1.8)
     steps = []
     for _ in range(8):
-        steps.append(c.decode_steps(16, looks_up=True))
+        steps.append(c.decode_steps(16))
         c.observe(RoundRecord(0, 0, 0, 0, False, 0.0, 36.0 * steps[-1] + 5.0, steps=steps[-1]))  # a call: 5 ms
     assert steps == [1, 1, 1, 1, 16, 16, 16, 16], steps
     assert c.exploration.ledger[LOOKUP_WAIT].count == 4
     assert c.exploration.ledger[LOOKUP_WAIT].ms == pytest.approx(20.0)
     # A lookup that kept its tokens pays for the next call a token: nothing charged.
     c.observe(RoundRecord(0, 2, 2, 2, True, 0.0, 40.0, sources=((NGRAM, 2),), lookup_match=3))
-    assert c.decode_steps(16, looks_up=True) == 1 and c.exploration.ledger[LOOKUP_WAIT].count == 4
+    assert c.decode_steps(16) == 1 and c.exploration.ledger[LOOKUP_WAIT].count == 4
     # Without lookups in the request nothing is wagered, budget or not.
-    assert controller(budget_ms=None).decode_steps(16, looks_up=False) == 16
+    without = controller(budget_ms=None)
+    without.free_sources = ()
+    assert without.decode_steps(16) == 16
 
 
 def test_a_seeded_sampled_requests_fixed_gamma_is_0_where_the_start_curves_say_drafting_cannot_pay():

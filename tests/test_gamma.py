@@ -2,6 +2,7 @@
 seeded RNG, round times from a synthetic cost model with noise."""
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -9,7 +10,8 @@ import pytest
 from coordinator.rounds import RoundRecord
 from coordinator.gamma import Acceptance, Calibration, EwLinearFit, GammaController, GammaPriors, match_bucket, \
     regime
-from specdec.spec.proposer import MODEL, NGRAM
+from specdec.spec.proposers import MODEL
+from specdec.spec.proposers.ngram import NGRAM
 from specdec.spec.types import Lookup, runs
 from specdec.spec.sampling import SamplingConfig
 
@@ -378,6 +380,11 @@ def test_a_round_that_shared_its_forwards_teaches_the_cost_model_nothing():
 
 # --- free drafts: n-gram lookups priced at their verify rows only ------------
 
+def ngram(token_ids=(), match_length=0) -> list[Lookup]:
+    """A request's candidates: the n-gram source's, if it found any."""
+    return [Lookup(tuple(token_ids), match_length, NGRAM)] if token_ids else []
+
+
 def lookup_round(ngram: int, accepted: int, match: int, model: int = 0, verify_ms: float = 40.0) -> RoundRecord:
     return RoundRecord(0, ngram + model, ngram + model, accepted, accepted == ngram + model, 0.0, verify_ms,
                        sources=runs((NGRAM, ngram), (MODEL, model)), lookup_match=match)
@@ -387,17 +394,17 @@ def test_a_long_lookup_is_drafted_where_the_model_barely_pays():
     controller = controller_on(MEASURED_INT4, draft_ms_per_token=22.0, alpha=0.8)
     for _ in range(30):  # long matches copy: accepted
         controller.observe(lookup_round(4, 4, match=12))
-    plan = controller.plan(Lookup((5, 6, 7, 8, 9), 12), limit=100)
+    plan = controller.plan(ngram((5, 6, 7, 8, 9), 12), limit=100)
     assert plan[NGRAM] >= 3 and plan[MODEL] == 0, plan
     # Free drafts are worth more than the model's: a lookup of one match alone is not.
-    assert controller.plan(Lookup((5,), 1), limit=100)[NGRAM] == 0
+    assert controller.plan(ngram((5,), 1), limit=100)[NGRAM] == 0
 
 
 def test_where_rows_are_nearly_free_the_model_drafts_after_a_lookup_in_the_same_round():
     controller = controller_on(BF16_CURVE, draft_ms_per_token=6.0, alpha=0.9)
     for _ in range(30):
         controller.observe(lookup_round(2, 2, match=6))
-    plan = controller.plan(Lookup((5, 6), 6), limit=100)
+    plan = controller.plan(ngram((5, 6), 6), limit=100)
     assert plan[NGRAM] == 2 and plan[MODEL] > 0, plan
     assert plan.sources[0][0] == NGRAM  # the lookup's tokens come first
 
@@ -408,7 +415,7 @@ def test_a_lookup_bucket_judged_bad_is_skipped_but_tried_now_and_then():
         controller.observe(lookup_round(2, 0, match=1))
     plans = []
     for _ in range(32):
-        plans.append(controller.plan(Lookup((5, 6, 7), 1), limit=100))
+        plans.append(controller.plan(ngram((5, 6, 7), 1), limit=100))
         controller.begin(plans[-1])
     taken = [p for p in plans if p[NGRAM]]
     assert len(taken) == 2 and all(p[NGRAM] <= controller.probe_gamma and p[MODEL] == 0 and p.lookup_probe
@@ -420,22 +427,23 @@ def test_planning_decides_only_and_begin_moves_the_exploration_state():
     for _ in range(40):
         controller.observe(lookup_round(2, 0, match=1))
     controller.gamma, controller.rounds_at_zero = 0, controller.probe_every   # a model probe is due
-    skips = list(controller.lookup_skips)
-    first = controller.plan(Lookup((5, 6, 7), 1), limit=100)
-    assert controller.plan(Lookup((5, 6, 7), 1), limit=100) == first   # the same state, the same plan
+    skips = dict(controller.lookup_skips)
+    first = controller.plan(ngram((5, 6, 7), 1), limit=100)
+    assert controller.plan(ngram((5, 6, 7), 1), limit=100) == first   # the same state, the same plan
     assert controller.lookup_skips == skips and not controller.probing
+    (key,) = first.considered
     assert first[MODEL] == controller.probe_gamma and first.probe
     controller.begin(first)
-    assert controller.probing and controller.lookup_skips[first.lookup_bucket] == skips[first.lookup_bucket] + 1
+    assert controller.probing and controller.lookup_skips[key] == skips.get(key, 0) + 1
 
 
 def test_each_source_learns_only_from_the_drafts_it_made_and_the_verifier_judged():
     controller = GammaController(GAMMA_MAX)
     model_before = controller.state.acceptance.alpha
-    bucket = controller.state.lookup[match_bucket(6)]
-    lookup_before = bucket.alpha
+    lookup_before = controller.state.lookups(NGRAM)[match_bucket(6)].alpha
     controller.observe(lookup_round(2, 1, match=6, model=3))  # the second lookup token rejected: the model's unjudged
-    assert bucket.alpha < lookup_before and controller.state.acceptance.alpha == model_before
+    assert controller.state.lookups(NGRAM)[match_bucket(6)].alpha < lookup_before
+    assert controller.state.acceptance.alpha == model_before
     controller.observe(lookup_round(2, 2, match=6, model=3))  # both kept, then the model's first rejected
     assert controller.state.acceptance.alpha < model_before
     # A lookup's draft costs no draft step: the draft line learns from rounds with model tokens only.
@@ -448,8 +456,8 @@ def test_without_a_model_only_lookups_draft():
     controller = controller_on(BF16_CURVE, draft_ms_per_token=6.0, alpha=0.9)
     controller.without_model()
     assert controller.best() == 0
-    assert controller.plan(Lookup(), limit=100).drafted == 0
-    assert controller.plan(Lookup((5, 6), 9), limit=100)[MODEL] == 0
+    assert controller.plan(ngram(), limit=100).drafted == 0
+    assert controller.plan(ngram((5, 6), 9), limit=100)[MODEL] == 0
 
 
 def steps_after(controller: GammaController, round: RoundRecord, times: int = 60) -> int:
@@ -457,7 +465,7 @@ def steps_after(controller: GammaController, round: RoundRecord, times: int = 60
     for _ in range(times):
         controller.observe(round)
     controller.rounds_at_zero = 0
-    return controller.decode_steps(16, looks_up=True)
+    return controller.decode_steps(16)
 
 
 def decode_calls(cost: CostModel, overhead_ms: float, step_ms: float, times: int = 20) -> None:
@@ -491,8 +499,10 @@ def test_with_nothing_drafted_one_token_is_decoded_where_lookups_pay_for_the_cal
     controller = GammaController(16, ControllerState(cost=CostModel.from_curves([22.0], MEASURED_INT4)))
     decode_calls(controller.state.cost, 4.0, MEASURED_INT4[0])  # ms a call costs beyond its forward
     controller.gamma, controller.rounds_at_zero = 0, 0
-    assert controller.decode_steps(16, looks_up=True) == 1      # optimistic until lookups are measured
-    assert controller.decode_steps(16, looks_up=False) == 8     # no lookups: to the next probe in one call
+    assert controller.decode_steps(16) == 1      # optimistic until lookups are measured
+    without = GammaController(16, copy.deepcopy(controller.state), free_sources=())
+    without.gamma, without.rounds_at_zero = 0, 0
+    assert without.decode_steps(16) == 8                        # no free sources: to the next probe in one call
     # Lookups that keep nothing, then lookups that keep a token a round.
     assert steps_after(controller, lookup_round(1, 0, match=1, verify_ms=MEASURED_INT4[1] + 4.0)) == 8
     assert steps_after(controller, lookup_round(2, 1, match=6, verify_ms=MEASURED_INT4[2] + 4.0)) == 1
@@ -517,21 +527,21 @@ def test_rounds_without_lookups_end_decoding_a_token_a_call_and_the_next_request
     decode_calls(priors.cost, 2.0, MEASURED_INT4[0])
     first = GammaController(16, priors.start(SamplingConfig()))
     first.gamma, first.rounds_at_zero = 0, 0
-    assert first.decode_steps(16, looks_up=True) == 1             # optimistic: a lookup may come next token
+    assert first.decode_steps(16) == 1             # optimistic: a lookup may come next token
     nothing = RoundRecord(0, 0, 0, 0, False, 0.0, MEASURED_INT4[0] + 2.0)
     calls = 0
-    while first.decode_steps(16, looks_up=True) == 1:
+    while first.decode_steps(16) == 1:
         first.observe(nothing)
         first.rounds_at_zero, calls = 0, calls + 1
     assert 10 < calls < 60                                         # a token a call while the yield lasts
     priors.finish(SamplingConfig(), first.state)
     second = GammaController(16, priors.start(SamplingConfig()))
     second.gamma, second.rounds_at_zero = 0, 0
-    assert second.decode_steps(16, looks_up=True) > 1             # what the first learned, the second starts from
-    assert GammaController(16, priors.start(SamplingConfig(temperature=0.7))).state.lookup_yield == 1.0  # per regime
+    assert second.decode_steps(16) > 1             # what the first learned, the second starts from
+    assert GammaController(16, priors.start(SamplingConfig(temperature=0.7))).state.lookup_yield == {}  # per regime
     # A lookup that keeps its tokens brings a token a call back.
     second.observe(lookup_round(4, 4, match=8, verify_ms=MEASURED_INT4[4] + 2.0))
-    assert second.decode_steps(16, looks_up=True) == 1
+    assert second.decode_steps(16) == 1
 
 
 def test_plans_follow_the_curves_the_services_publish_again():

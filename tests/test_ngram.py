@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.spec.ngram import MAX_MATCH, NgramIndex, RecentOutputs
+from specdec.spec.proposers.ngram import MAX_MATCH, NgramIndex, RecentOutputs
 from tests.conftest import coordinator_stub
 from tests.test_end_to_end import PROMPTS, assert_greedy_equal, generate
 

@@ -176,15 +176,16 @@ def _sample_truncated(draft: torch.Tensor, truncation: Truncation, generator) ->
     return entry.token_ids[sample_from(sparse_probs(entry), generator)], entry
 
 
-def _first_two_tokens(target: torch.Tensor, propose, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """N rounds of a 2-token proposal (`propose(generator)` -> ids, entries) scored
-    through the verifier's own rebuild of the draft_probs; counts of the first
-    output token, and of the second where the round reached it."""
+def _first_two_tokens(target: torch.Tensor, propose, seed: int, free: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """N rounds of a 2-token proposal (`propose(generator)` -> ids, entries; the first
+    `free` ids a free source's, with no entry) scored through the verifier's own
+    rebuild of the draft_probs; counts of the first output token, and of the second
+    where the round reached it."""
     generator = torch.Generator().manual_seed(seed)
     first, second = np.zeros(V), np.zeros(V)
     for _ in range(N):
         ids, entries = propose(generator)
-        draft_probs = draft_probs_tensor(entries, ids, V)
+        draft_probs = draft_probs_tensor(entries, ids, V, free)
         out = rejection_sample(torch.tensor(ids), draft_probs, target.expand(len(ids) + 1, V), generator)
         first[out.output_token_ids(ids)[0]] += 1
         if out.num_accepted >= 1:
@@ -222,6 +223,36 @@ def test_proposals_mixing_a_lookup_and_the_model_in_one_round_are_lossless():
         first, second = _first_two_tokens(target, propose, seed=22)
         assert _chi_square_p(first, target) > ALPHA and _chi_square_p(second, target) > ALPHA, propose.__name__
         assert second.sum() > 1000
+
+
+def test_free_tokens_without_probability_rows_are_lossless():
+    """As Verify gets them: a free source's leading tokens carry no draft_probs row
+    (free_tokens), the model's after them do; or the round is free tokens alone."""
+    target, draft = PAIRS["far"]
+
+    def free_then_model(generator):
+        token, entry = _sample_truncated(draft, Truncation(top_k=3), generator)
+        return [0, token], [entry]
+
+    def free_alone(generator):
+        return [0, 5], []
+    for propose, free in ((free_then_model, 1), (free_alone, 2)):
+        first, second = _first_two_tokens(target, propose, seed=24, free=free)
+        assert _chi_square_p(first, target) > ALPHA and _chi_square_p(second, target) > ALPHA, propose.__name__
+        assert second.sum() > 1000
+
+
+def test_the_test_has_power_a_free_token_scored_as_a_sample_fails():
+    """The same free-then-model round, the free token (always 0) scored as if it had
+    been drawn from the draft model's distribution: no longer the target's."""
+    target, draft = PAIRS["far"]
+    assert draft[0] > 0
+
+    def lying(generator):
+        token, entry = _sample_truncated(draft, Truncation(top_k=3), generator)
+        return [0, token], [dense_for_wire(draft), entry]
+    first, _ = _first_two_tokens(target, lying, seed=25, free=0)
+    assert _chi_square_p(first, target) < 1e-6
 
 
 def test_the_test_has_power_a_wrong_truncation_fails():

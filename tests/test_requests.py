@@ -87,7 +87,8 @@ def test_every_generation_stat_is_the_engines_attribute_of_its_name():
     mapping, the bench and `specdec load` take it by name."""
     from coordinator.stats import SourceCount, Stats, stats_to_proto
     from coordinator.rounds import RoundRecord
-    from specdec.spec.proposer import MODEL, NGRAM
+    from specdec.spec.proposers import MODEL
+    from specdec.spec.proposers.ngram import NGRAM
     from specdec.spec.types import runs
     stats = Stats(prompt_tokens=7, gamma=3, fallback="why")
     stats.record(RoundRecord(0, 3, 3, 2, False, draft_ms=4.0, verify_ms=9.0, sources=runs((NGRAM, 1), (MODEL, 2)),

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from coordinator.rounds import RoundRecord
-from specdec.spec.proposer import MODEL, NGRAM
+from specdec.spec.proposers import MODEL
+from specdec.spec.proposers.ngram import NGRAM
 from specdec.spec.types import judged, runs
 
 

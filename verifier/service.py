@@ -41,10 +41,13 @@ class VerifierServicer(ModelServiceBase[TargetSession], verifier_pb2_grpc.Verifi
         if sampling.greedy and request.draft_probs:
             raise InvalidArgument("draft_probs must be empty when temperature is 0 (greedy)")
         entries = draft_probs_from_proto(request.draft_probs)
+        if request.free_tokens > len(draft):
+            raise InvalidArgument(f"free_tokens={request.free_tokens} is more than the {len(draft)} draft tokens")
 
         def steps(session: TargetSession):
-            # Per token (sparse, dense or one-hot: a round may mix sources), validated.
-            draft_probs = None if sampling.greedy else draft_probs_tensor(entries, draft, self.loaded.vocab_size)
+            # Per token after the free ones (sparse, dense or one-hot), validated.
+            draft_probs = None if sampling.greedy else draft_probs_tensor(entries, draft, self.loaded.vocab_size,
+                                                                          request.free_tokens)
             return (yield from session.verify_steps(draft, draft_probs, sampling, self.synthetic_acceptance,
                                                     logprobs))
 

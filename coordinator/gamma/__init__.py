@@ -33,11 +33,12 @@ precision: int4 takes them 4 a kernel pass). γ = 0 is plain target decoding: no
   reports, whichever is more). A forward's fixed cost is shared, its rows are
   not: as n grows, rejected drafts cost more than they save and γ falls to 0;
   it rises again as n falls;
-* free drafts (n-gram lookups, `plan`): a lookup token costs only its verify
-  row, a model token a draft step too. Acceptance of lookup tokens is learned
-  per match length (how many tokens of context back the lookup), and each round
-  takes the number of lookup tokens, then of model tokens after them, that
-  maximizes goodput; a lookup that does not pay is still tried now and then.
+* free drafts (n-gram lookups or any free source, `plan`): a free token costs
+  only its verify row, a model token a draft step too. Acceptance of free tokens
+  is learned per source name and match length (how many tokens of context back
+  the candidate), and each round takes the candidate, the number of its tokens,
+  then of model tokens after them, that maximizes goodput; a candidate that does
+  not pay is still tried now and then.
 """
 from coordinator.gamma.acceptance import (LOOKUP_PRIORS, MATCH_BUCKETS, Acceptance, Calibration,
 

@@ -1,12 +1,12 @@
-"""The policy: each round's draft (lookup tokens, then model tokens) from the
-cost, load and acceptance estimates (what requests learned before, shared per
+"""The policy: each round's draft (a free source's tokens, then model tokens) from
+the cost, load and acceptance estimates (what requests learned before, shared per
 sampling regime, is priors.py's)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from specdec.spec.proposer import MODEL, NGRAM
+from specdec.spec.proposers import MODEL, SOURCES
 from specdec.spec.types import Lookup, Runs, runs
 from specdec.spec.sampling import SamplingConfig
 
@@ -21,19 +21,25 @@ from coordinator.rounds import RoundRecord
 
 @dataclass(frozen=True)
 class Plan:
-    """A round's draft by source, in draft order: a lookup's tokens first, then
-    the model's drafted after them; and what exploring it takes (`begin`)."""
+    """A round's draft by source, in draft order: a free source's tokens first,
+    then the model's drafted after them; and what exploring it takes (`begin`)."""
     sources: Runs = ()
     probe: bool = False                 # the model's tokens probe γ > 0 after rounds at γ = 0
-    lookup_bucket: int | None = None    # the match bucket of the lookup taken or skipped
-    lookup_probe: bool = False          # a bucket judged bad, tried again
+    # The (source, match bucket) of each candidate weighed, taken or skipped
+    considered: tuple[tuple[str, int], ...] = ()
+    lookup_probe: bool = False          # a free source's bucket judged bad, tried again
 
     @classmethod
-    def of(cls, ngram: int = 0, model: int = 0, **exploring) -> "Plan":
-        return cls(runs((NGRAM, ngram), (MODEL, model)), **exploring)
+    def of(cls, free: int = 0, model: int = 0, source: str = "", **exploring) -> "Plan":
+        return cls(runs((source, free), (MODEL, model)), **exploring)
 
     def __getitem__(self, source: str) -> int:
         return sum(n for name, n in self.sources if name == source)
+
+    @property
+    def free_source(self) -> str:
+        """The free source whose tokens lead the round ("": none)."""
+        return self.sources[0][0] if self.sources and self.sources[0][0] != MODEL else ""
 
     @property
     def drafted(self) -> int:
@@ -46,14 +52,19 @@ class ControllerState:
     cost: CostModel = field(default_factory=CostModel)
     calibration: Calibration = field(default_factory=Calibration)
     rounds: int = 0
-    lookup: list[Acceptance] = field(default_factory=lookup_acceptances)  # [match bucket] lookup drafts
-    # EWMA over rounds: lookup tokens kept, less their rows' verify cost in target steps
-    # (0 in a round without a lookup); optimistic until measured
-    lookup_yield: float = 1.0
+    # Per free source, by name: [match bucket] the acceptance of its drafts
+    lookup: dict[str, list[Acceptance]] = field(default_factory=dict)
+    # Per free source: an EWMA over rounds of its tokens kept, less their rows' verify cost
+    # in target steps (0 in a round without its tokens); optimistic (1) until measured
+    lookup_yield: dict[str, float] = field(default_factory=dict)
     # The model's acceptance as this regime showed it before the request, with all of its
     # evidence (`acceptance` is capped, for planning): with the request's own, what a probe
     # may hope for (explore.py).
     reach: Acceptance = field(default_factory=Acceptance)
+
+    def lookups(self, source: str) -> list[Acceptance]:
+        """[match bucket] what `source`'s drafts showed (the priors, before any)."""
+        return self.lookup.get(source) or lookup_acceptances()
 
 
 class GammaController:
@@ -64,7 +75,7 @@ class GammaController:
     def __init__(self, gamma_max: int, state: ControllerState | None = None, *, initial_gamma: int = 4,
                  hysteresis: float = 0.04, probe_every: int = 8, probe_gamma: int = 2, warmup_rounds: int = 2,
                  aging: float = 0.8, max_confidence: float = 0.9, load: ServiceLoad | None = None,
-                 exploration: Exploration | None = None):
+                 exploration: Exploration | None = None, free_sources: Sequence[str] | None = None):
         self.gamma_max = gamma_max
         self.state = state or ControllerState()
         self.load = load  # None: plan as if alone
@@ -76,7 +87,9 @@ class GammaController:
         self.probe_every = self.base_probe_every = probe_every
         self.rounds_at_zero = 0
         self.probing = False
-        self.lookup_skips = [0] * len(MATCH_BUCKETS)     # lookups not taken since one was, per bucket
+        # The request's free sources, by name (None: every registered one)
+        self.free_sources = tuple(SOURCES if free_sources is None else free_sources)
+        self.lookup_skips: dict[tuple[str, int], int] = {}  # (source, bucket): rounds not taken since it was
         self.exploration = exploration or Exploration()  # the probes' budget and ledger (none: no ceiling)
         self._probe_kind: str | None = None              # the round begun is a probe of this kind
         self._lookup_kept = False                        # the last round kept lookup tokens
@@ -97,48 +110,53 @@ class GammaController:
     def best(self) -> int:
         return max(range(self.gamma_max + 1 if self.model else 1), key=self.goodput)
 
-    def plan(self, lookup: Lookup, limit: int) -> Plan:
+    def plan(self, lookups: Sequence[Lookup], limit: int) -> Plan:
         """This round's draft: the model's γ as the controller holds it, unless
-        taking k of the lookup's tokens (then j model tokens after them) is
-        expected to give more tokens per second. A lookup token costs its verify
-        row only; it is accepted as its match length's bucket says. Decides only:
-        the probes it starts are `begin`'s to record."""
+        taking k of a free source's candidate tokens (then j model tokens after
+        them) is expected to give more tokens per second. A free token costs its
+        verify row only; it is accepted as its source's match-length bucket says.
+        Decides only: the probes it starts are `begin`'s to record."""
         gamma, probe = self._model_gamma(limit)
-        k_max = min(len(lookup.token_ids), limit, self.gamma_max)
-        if k_max <= 0:
-            return Plan.of(model=gamma, probe=probe)
-        bucket = match_bucket(lookup.match_length)
         cost, calls = self.state.cost, self.calls()
-        free = cumulative(self.state.lookup[bucket].by_positions(k_max))               # [k_max + 1] P(first i kept)
         model = cumulative(self.state.acceptance.by_positions(self.gamma_max if self.model else 0))
-        free_tokens, model_tokens = _running_sums(free), _running_sums(model)           # E[tokens kept | k], | j
+        model_tokens = _running_sums(model)                                              # E[tokens kept | j]
         verify = [cost.verify_ms(rows, calls) for rows in range(self.gamma_max + 1)]
         draft = [cost.draft_ms(j, calls) for j in range(len(model))]
-
-        def goodput(k: int, j: int) -> float:
-            tokens = 1 + free_tokens[k] + free[k] * model_tokens[j]
-            return tokens / max(draft[j] + verify[k + j], 1e-6)
-        (k, j), value = (0, gamma), goodput(0, min(gamma, len(model) - 1))
-        for free_k in range(1, k_max + 1):                  # k lookup tokens, then j model tokens
-            for model_j in range(min(len(model) - 1, self.gamma_max - free_k, limit - free_k) + 1):
-                if goodput(free_k, model_j) > value:
-                    (k, j), value = (free_k, model_j), goodput(free_k, model_j)
-        # A lookup not expected to pay is tried short now and then, or a bucket
+        alone = min(gamma, len(model) - 1)
+        (k, j, source), value = (0, gamma, ""), (1 + model_tokens[alone]) / max(draft[alone] + verify[alone], 1e-6)
+        weighed = []  # (source, bucket, k_max) of each candidate
+        for lookup in lookups:
+            k_max = min(len(lookup.token_ids), limit, self.gamma_max)
+            if k_max <= 0:
+                continue
+            bucket = match_bucket(lookup.match_length)
+            weighed.append((lookup.source, bucket, k_max))
+            free = cumulative(self.state.lookups(lookup.source)[bucket].by_positions(k_max))  # P(first i kept)
+            free_tokens = _running_sums(free)                                                 # E[tokens kept | k]
+            for free_k in range(1, k_max + 1):                  # k free tokens, then j model tokens
+                for model_j in range(min(len(model) - 1, self.gamma_max - free_k, limit - free_k) + 1):
+                    tokens = 1 + free_tokens[free_k] + free[free_k] * model_tokens[model_j]
+                    got = tokens / max(draft[model_j] + verify[free_k + model_j], 1e-6)
+                    if got > value:
+                        (k, j, source), value = (free_k, model_j, lookup.source), got
+        # A free source not expected to pay is tried short now and then, or a bucket
         # judged bad once would never be judged again.
-        lookup_probe = k == 0 and self.lookup_skips[bucket] + 1 >= 2 * self.base_probe_every and \
-            self._lookup_probe_allowed(bucket, min(k_max, self.probe_gamma))
-        if lookup_probe:
-            k, j = min(k_max, self.probe_gamma), 0
-        # The model's probe waits for a round without a better lookup.
-        return Plan.of(k, j, probe=probe and j > 0, lookup_bucket=bucket, lookup_probe=lookup_probe)
+        lookup_probe = False
+        for name, bucket, k_max in weighed if k == 0 else ():
+            if self.lookup_skips.get((name, bucket), 0) + 1 >= 2 * self.base_probe_every and \
+                    self._lookup_probe_allowed(name, bucket, min(k_max, self.probe_gamma)):
+                (k, j, source), lookup_probe = (min(k_max, self.probe_gamma), 0, name), True
+                break
+        # The model's probe waits for a round without a better free draft.
+        return Plan.of(k, j, source, probe=probe and j > 0,
+                       considered=tuple((name, bucket) for name, bucket, _ in weighed), lookup_probe=lookup_probe)
 
     def begin(self, plan: Plan) -> None:
-        """The round of `plan` starts: record the probes it makes, and the lookups it skips."""
+        """The round of `plan` starts: record the probes it makes, and the candidates it skips."""
         self.probing = plan.probe
         self._probe_kind = MODEL_ROUND if plan.probe else LOOKUP_ROUND if plan.lookup_probe else None
-        if plan.lookup_bucket is not None:
-            taken = plan[NGRAM] > 0 or plan.lookup_probe
-            self.lookup_skips[plan.lookup_bucket] = 0 if taken else self.lookup_skips[plan.lookup_bucket] + 1
+        for key in plan.considered:
+            self.lookup_skips[key] = 0 if key[0] == plan.free_source else self.lookup_skips.get(key, 0) + 1
 
     def prefill_pays(self, prompt_tokens: int, new_tokens: int) -> bool:
         """Whether drafting this request is expected to save more than the
@@ -173,7 +191,7 @@ class GammaController:
         learned calibration."""
         return min(self.max_confidence, self.state.calibration.threshold(self.required_acceptance()))
 
-    def decode_steps(self, chunk: int, looks_up: bool) -> int:
+    def decode_steps(self, chunk: int) -> int:
         """Target tokens to decode in a round that drafts nothing: one, so that the
         next lookup comes after it, where lookups keep more tokens (less what their
         rows cost) than a verifier call costs beyond its forward (and no batch
@@ -185,10 +203,11 @@ class GammaController:
         a target step against the request's budget (explore.py), so a request whose history never
         matches decodes in chunks once the budget is spent, not a call a token."""
         chunk = max(1, min(chunk, self.steps_until_probe(chunk)))
-        if looks_up and self.calls() <= LOAD_ALONE:
+        if self.free_sources and self.calls() <= LOAD_ALONE:
             cost = self.state.cost
             overhead = cost.call_overhead_ms()
-            if self.state.lookup_yield * cost.verify_ms(0) > overhead:
+            best_yield = max(self.state.lookup_yield.get(name, 1.0) for name in self.free_sources)
+            if best_yield * cost.verify_ms(0) > overhead:
                 if self._lookup_kept:
                     return 1
                 # Expected to cost what such calls cost so far (the fitted call overhead before
@@ -225,9 +244,9 @@ class GammaController:
         expected = cost.round_ms(gamma, calls) - self.state.acceptance.expected_tokens(gamma) * cost.verify_ms(0, calls)
         return self.exploration.affordable(expected) and self.model_in_reach()
 
-    def _lookup_probe_allowed(self, bucket: int, k: int) -> bool:
+    def _lookup_probe_allowed(self, source: str, bucket: int, k: int) -> bool:
         cost, calls = self.state.cost, self.calls()
-        kept = self.state.lookup[bucket]
+        kept = self.state.lookups(source)[bucket]
         expected = cost.verify_ms(k, calls) - kept.expected_tokens(k) * cost.verify_ms(0, calls)
         return self.exploration.affordable(expected) and \
             within_reach(kept, break_even(cost, self.gamma_max, calls, drafts_cost=False))
@@ -267,17 +286,21 @@ class GammaController:
                            verify_alone=round.verify_batch_calls <= LOAD_ALONE, model_tokens=round.drafted_by(MODEL))
         if round.drafted == 0 and round.verify_batch_calls <= LOAD_ALONE:
             state.cost.observe_decode(round.steps, round.verify_ms)
-        lookup_drafted, lookup_accepted = round.drafted_by(NGRAM), round.accepted_by(NGRAM)
-        # What a lookup keeps, less what its rows cost the verifier beyond one step, in steps:
-        # where each row costs nearly a step (a kernel whose cost grows with the rows), a lookup
-        # keeping half its tokens gains nothing, and decoding a token a round for it loses the calls.
-        rows_cost = 0.0
-        if lookup_drafted:
-            step = state.cost.verify_ms(0)
-            rows_cost = (state.cost.verify_ms(lookup_drafted) - step) / step if step > 0 else 0.0
-            state.lookup[match_bucket(round.lookup_match)].observe(lookup_drafted, lookup_accepted)
-        state.lookup_yield += 0.1 * (lookup_accepted - rows_cost - state.lookup_yield)
-        self._lookup_kept = lookup_accepted > 0
+        # What a free source keeps, less what its rows cost the verifier beyond one step, in
+        # steps: where each row costs nearly a step (a kernel whose cost grows with the rows),
+        # a lookup keeping half its tokens gains nothing, and decoding a token a round for it
+        # loses the calls. Every free source of the request learns each round (0 without its tokens).
+        self._lookup_kept = False
+        for name in [n for n in dict.fromkeys((*self.free_sources, round.free_source)) if n]:
+            drafted, accepted, rows_cost = round.drafted_by(name), round.accepted_by(name), 0.0
+            if drafted:
+                step = state.cost.verify_ms(0)
+                rows_cost = (state.cost.verify_ms(drafted) - step) / step if step > 0 else 0.0
+                state.lookup.setdefault(name, lookup_acceptances())[match_bucket(round.lookup_match)].observe(
+                    drafted, accepted)
+            before = state.lookup_yield.get(name, 1.0)
+            state.lookup_yield[name] = before + 0.1 * (accepted - rows_cost - before)
+            self._lookup_kept |= accepted > 0
         # The model's drafts were judged only if every lookup token before them was kept.
         if round.judged_from(MODEL):
             state.acceptance.observe(round.drafted_by(MODEL), round.accepted_by(MODEL))

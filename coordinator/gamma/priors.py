@@ -8,7 +8,7 @@ import threading
 
 from specdec.spec.sampling import SamplingConfig
 
-from coordinator.gamma.acceptance import Acceptance, Calibration, lookup_acceptances
+from coordinator.gamma.acceptance import Acceptance, Calibration
 from coordinator.gamma.cost import LOAD_ALONE, CostModel
 from coordinator.gamma.policy import ControllerState
 
@@ -37,8 +37,8 @@ class GammaPriors:
         self.lock = threading.Lock()
         self.acceptance: dict[str, Acceptance] = {}
         self.calibration: dict[str, Calibration] = {}
-        self.lookup: dict[str, list[Acceptance]] = {}
-        self.lookup_yield: dict[str, float] = {}
+        self.lookup: dict[str, dict[str, list[Acceptance]]] = {}   # [regime][free source][match bucket]
+        self.lookup_yield: dict[str, dict[str, float]] = {}        # [regime][free source]
         self.cost = cost or CostModel()
         self.rounds = 0
         self.curves: dict[str, object] = {}   # the services' latest published curves (follow)
@@ -74,10 +74,11 @@ class GammaPriors:
             key = regime(sampling)
             acceptance = copy.deepcopy(self.acceptance.get(key, Acceptance())).capped(self.prior_weight)
             calibration = copy.deepcopy(self.calibration.get(key, Calibration()))
-            lookup = [a.capped(self.prior_weight) for a in copy.deepcopy(self.lookup.get(key, lookup_acceptances()))]
+            lookup = {source: [a.capped(self.prior_weight) for a in copy.deepcopy(buckets)]
+                      for source, buckets in self.lookup.get(key, {}).items()}
             reach = copy.deepcopy(self.acceptance.get(key, Acceptance()))   # all of the regime's evidence
             return ControllerState(acceptance, copy.deepcopy(self.cost), calibration, self.rounds, lookup,
-                                   self.lookup_yield.get(key, ControllerState.lookup_yield), reach)
+                                   dict(self.lookup_yield.get(key, {})), reach)
 
     def finish(self, sampling: SamplingConfig, state: ControllerState) -> None:
         with self.lock:
@@ -91,13 +92,16 @@ class GammaPriors:
             else:
                 prior, new = self.calibration[key], state.calibration
                 _blend_into(prior.rates, prior.counts, new.rates, new.counts, self.blend)
-            if key not in self.lookup:
-                self.lookup[key] = copy.deepcopy(state.lookup)
-            else:
-                for prior, new in zip(self.lookup[key], state.lookup):
-                    _blend_acceptance(prior, new, self.blend)
-            prior_yield = self.lookup_yield.get(key, state.lookup_yield)
-            self.lookup_yield[key] = prior_yield + self.blend * (state.lookup_yield - prior_yield)
+            lookup, yields = self.lookup.setdefault(key, {}), self.lookup_yield.setdefault(key, {})
+            for source, buckets in state.lookup.items():
+                if source not in lookup:
+                    lookup[source] = copy.deepcopy(buckets)
+                else:
+                    for prior, new in zip(lookup[source], buckets):
+                        _blend_acceptance(prior, new, self.blend)
+            for source, new_yield in state.lookup_yield.items():
+                prior_yield = yields.get(source, new_yield)
+                yields[source] = prior_yield + self.blend * (new_yield - prior_yield)
             self.cost = copy.deepcopy(state.cost)  # timings are shared by every regime
             self.cost.follow(**self.curves)
             self.rounds = max(self.rounds, state.rounds)

@@ -93,14 +93,18 @@ def dense_for_wire(probs: torch.Tensor) -> DraftProbs:
 
 
 def draft_probs_tensor(entries: Sequence[DraftProbs], draft_token_ids: Sequence[int],
-                       vocab_size: int) -> torch.Tensor:
-    """The verifier's [gamma, V] float32 draft_probs from one entry per drafted
-    token, validated: each must be a distribution that gives its token a chance."""
-    if len(entries) != len(draft_token_ids):
-        raise InvalidArgument(f"draft_probs has {len(entries)} entries for {len(draft_token_ids)} draft tokens; "
-                              "send one per drafted token (an empty entry is a one-hot proposal)")
+                       vocab_size: int, free_tokens: int = 0) -> torch.Tensor:
+    """The verifier's [gamma - free_tokens, V] float32 draft_probs from one entry per
+    drafted token after the free sources' leading ones (which have none), validated:
+    each must be a distribution that gives its token a chance."""
+    if not 0 <= free_tokens <= len(draft_token_ids):
+        raise InvalidArgument(f"free_tokens={free_tokens} is more than the {len(draft_token_ids)} draft tokens")
+    drafted = draft_token_ids[free_tokens:]
+    if len(entries) != len(drafted):
+        raise InvalidArgument(f"draft_probs has {len(entries)} entries for {len(drafted)} draft tokens after the "
+                              f"{free_tokens} free ones; send one per such token (an empty entry is a one-hot proposal)")
     out = torch.zeros(len(entries), vocab_size)
-    for i, (entry, token) in enumerate(zip(entries, draft_token_ids)):
+    for i, (entry, token) in enumerate(zip(entries, drafted)):
         where = f"draft_probs[{i}]"
         if entry.one_hot:
             out[i, token] = 1.0

@@ -6,6 +6,10 @@ At the first rejection the recovered token is drawn from
 norm(max(0, target_probs[i] - draft_probs[i])) and the round ends; when every
 drafted token is accepted, a bonus token is drawn from target_probs[gamma].
 The tokens that come out are distributed exactly as the target's own samples.
+
+A free source's draft (a lookup's) is deterministic: its proposal is one-hot, so
+it is accepted with probability target_probs[i, x] and its residual is the target
+row without x. Such tokens lead the draft and carry no draft_probs row.
 """
 from __future__ import annotations
 
@@ -18,13 +22,15 @@ from specdec.spec.transform import sample_from
 
 def rejection_sample(
     draft_token_ids: torch.Tensor,  # [gamma] long
-    draft_probs: torch.Tensor,      # [gamma, V] the distributions the drafts were sampled from
+    draft_probs: torch.Tensor,      # [gamma - free, V] the distributions the last drafts were sampled from
     target_probs: torch.Tensor,     # [gamma + 1, V] row i scores draft position i; the last row the bonus
     generator: torch.Generator,
 ) -> RejectionOutput:
+    """The first `free = gamma - len(draft_probs)` drafts are a free source's (one-hot)."""
     gamma = draft_token_ids.shape[0]
+    free = gamma - draft_probs.shape[0]
     assert draft_token_ids.dim() == 1, draft_token_ids.shape
-    assert draft_probs.shape == (gamma, target_probs.shape[-1]), (draft_probs.shape, target_probs.shape)
+    assert 0 <= free and draft_probs.shape[-1] == target_probs.shape[-1], (draft_probs.shape, target_probs.shape)
     assert target_probs.shape[0] == gamma + 1, (target_probs.shape, gamma)
 
     # One uniform per position, drawn up front: the stream of draws (and so a
@@ -33,14 +39,19 @@ def rejection_sample(
     uniforms = torch.rand(gamma, generator=generator, device=generator.device).to(target_probs.device)
     positions = torch.arange(gamma, device=target_probs.device)
     target_at_draft = target_probs[positions, draft_token_ids]   # [gamma]
-    draft_at_draft = draft_probs[positions, draft_token_ids]     # [gamma]
+    draft_at_draft = torch.ones(gamma, device=target_probs.device, dtype=target_probs.dtype)
+    draft_at_draft[free:] = draft_probs[positions[free:] - free, draft_token_ids[free:]]  # [gamma]
     # u < p/q  <=>  u * q < p  (no division; q > 0 for any token the drafter could sample)
     accepted = uniforms * draft_at_draft < target_at_draft         # [gamma] bool
     rejected = (~accepted).nonzero()
     num_accepted = int(rejected[0]) if rejected.numel() else gamma
 
     if num_accepted < gamma:
-        residual = (target_probs[num_accepted] - draft_probs[num_accepted]).clamp_min(0)
+        if num_accepted < free:  # the residual of a one-hot proposal: the target without its token
+            residual = target_probs[num_accepted].clone()
+            residual[draft_token_ids[num_accepted]] = 0
+        else:
+            residual = (target_probs[num_accepted] - draft_probs[num_accepted - free]).clamp_min(0)
         total = residual.sum()
         # A rejection needs p(x) < q(x) somewhere, so p - q has positive mass; the
         # guard only covers float round-off when p and q are (almost) equal.

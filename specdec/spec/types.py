@@ -53,24 +53,28 @@ class BatchLoad:
 
 @dataclass(frozen=True)
 class Lookup:
-    """A free draft candidate: what followed the latest earlier occurrence of the
-    context's suffix, and how many tokens of the context that occurrence matches."""
+    """A free source's draft candidate (for a lookup: what followed the latest earlier
+    occurrence of the context's suffix, and how many tokens of the context that
+    occurrence matches), and the name of the source that found it."""
     token_ids: tuple[int, ...] = ()
     match_length: int = 0
+    source: str = ""
 
 
 @dataclass(frozen=True)
 class Proposal:
-    token_ids: tuple[int, ...]                 # [n]: the n-gram prefix, then the model's drafts
-    # [n] when temperature > 0: the exact distribution each token was sampled
-    # from, as it travels (sparse, dense, or one-hot for a lookup's; specdec.spec.wire).
+    token_ids: tuple[int, ...]                 # [n]: a free source's tokens, then the model's drafts
+    # [n - free_tokens] when temperature > 0: the exact distribution each model token was
+    # sampled from, as it travels (sparse or dense; specdec.spec.wire).
     draft_probs: tuple[DraftProbs, ...] = ()
     confidences: tuple[float, ...] = ()        # the model's, one per token it drafted
     batch: BatchLoad = BatchLoad()             # a model proposer's service: its batching
     sources: Runs = ()                         # who drafted which: runs summing to n
+    free_tokens: int = 0                       # the leading tokens from a free source: one-hot, no draft_probs
 
     def __post_init__(self):
         assert sum(n for _, n in self.sources) == len(self.token_ids), (self.sources, len(self.token_ids))
+        assert 0 <= self.free_tokens <= len(self.token_ids), (self.free_tokens, len(self.token_ids))
 
     def tokens_from(self, source: str) -> int:
         return sum(n for name, n in self.sources if name == source)

@@ -51,16 +51,18 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Speculation(_message.Message):
-    __slots__ = ("enabled", "gamma", "confidence_stop", "proposer")
+    __slots__ = ("enabled", "gamma", "confidence_stop", "proposer", "sources")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_STOP_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     gamma: int
     confidence_stop: bool
     proposer: ProposerKind
-    def __init__(self, enabled: _Optional[bool] = ..., gamma: _Optional[int] = ..., confidence_stop: _Optional[bool] = ..., proposer: _Optional[_Union[ProposerKind, str]] = ...) -> None: ...
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, enabled: _Optional[bool] = ..., gamma: _Optional[int] = ..., confidence_stop: _Optional[bool] = ..., proposer: _Optional[_Union[ProposerKind, str]] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DraftSourceStats(_message.Message):
     __slots__ = ("source", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate")

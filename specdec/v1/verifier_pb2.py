@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xd3\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12+\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32\x16.specdec.v1.DraftProbs\x12\x15\n\x08logprobs\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_logprobsJ\x04\x08\x03\x10\x04R\x10\x64raft_probs_fp16\"\x9f\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x15\n\rnext_token_id\x18\x02 \x01(\r\x12\r\n\x05\x62onus\x18\x03 \x01(\x08\x12%\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x16.specdec.v1.BatchStats\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\x89\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x15\n\x08logprobs\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_logprobs\"v\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12%\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x16.specdec.v1.BatchStats\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob2\xcb\x04\n\x08Verifier\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12K\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a\x1a.specdec.v1.TokenizerFiles\x12Q\n\x0cStartSession\x12\x1f.specdec.v1.StartSessionRequest\x1a .specdec.v1.StartSessionResponse\x12N\n\x0bMatchPrefix\x12\x1e.specdec.v1.MatchPrefixRequest\x1a\x1f.specdec.v1.MatchPrefixResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12?\n\x06\x44\x65\x63ode\x12\x19.specdec.v1.DecodeRequest\x1a\x1a.specdec.v1.DecodeResponse\x12H\n\tKeepAlive\x12\x1c.specdec.v1.KeepAliveRequest\x1a\x1d.specdec.v1.KeepAliveResponse\x12K\n\nEndSession\x12\x1d.specdec.v1.EndSessionRequest\x1a\x1e.specdec.v1.EndSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xe8\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12+\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32\x16.specdec.v1.DraftProbs\x12\x15\n\x08logprobs\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0b\x66ree_tokens\x18\x07 \x01(\rB\x0b\n\t_logprobsJ\x04\x08\x03\x10\x04R\x10\x64raft_probs_fp16\"\x9f\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x15\n\rnext_token_id\x18\x02 \x01(\r\x12\r\n\x05\x62onus\x18\x03 \x01(\x08\x12%\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x16.specdec.v1.BatchStats\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\x89\x01\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x15\n\x08logprobs\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_logprobs\"v\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12%\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x16.specdec.v1.BatchStats\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob2\xcb\x04\n\x08Verifier\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12K\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a\x1a.specdec.v1.TokenizerFiles\x12Q\n\x0cStartSession\x12\x1f.specdec.v1.StartSessionRequest\x1a .specdec.v1.StartSessionResponse\x12N\n\x0bMatchPrefix\x12\x1e.specdec.v1.MatchPrefixRequest\x1a\x1f.specdec.v1.MatchPrefixResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12?\n\x06\x44\x65\x63ode\x12\x19.specdec.v1.DecodeRequest\x1a\x1a.specdec.v1.DecodeResponse\x12H\n\tKeepAlive\x12\x1c.specdec.v1.KeepAliveRequest\x1a\x1d.specdec.v1.KeepAliveResponse\x12K\n\nEndSession\x12\x1d.specdec.v1.EndSessionRequest\x1a\x1e.specdec.v1.EndSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.verifier_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYREQUEST']._serialized_start=67
-  _globals['_VERIFYREQUEST']._serialized_end=278
-  _globals['_VERIFYRESPONSE']._serialized_start=281
-  _globals['_VERIFYRESPONSE']._serialized_end=440
-  _globals['_DECODEREQUEST']._serialized_start=443
-  _globals['_DECODEREQUEST']._serialized_end=580
-  _globals['_DECODERESPONSE']._serialized_start=582
-  _globals['_DECODERESPONSE']._serialized_end=700
-  _globals['_VERIFIER']._serialized_start=703
-  _globals['_VERIFIER']._serialized_end=1290
+  _globals['_VERIFYREQUEST']._serialized_end=299
+  _globals['_VERIFYRESPONSE']._serialized_start=302
+  _globals['_VERIFYRESPONSE']._serialized_end=461
+  _globals['_DECODEREQUEST']._serialized_start=464
+  _globals['_DECODEREQUEST']._serialized_end=601
+  _globals['_DECODERESPONSE']._serialized_start=603
+  _globals['_DECODERESPONSE']._serialized_end=721
+  _globals['_VERIFIER']._serialized_start=724
+  _globals['_VERIFIER']._serialized_end=1311
 # @@protoc_insertion_point(module_scope)

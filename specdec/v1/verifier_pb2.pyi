@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "draft_token_ids", "sampling", "draft_probs", "logprobs")
+    __slots__ = ("session_id", "draft_token_ids", "sampling", "draft_probs", "logprobs", "free_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.DraftProbs]
     logprobs: int
-    def __init__(self, session_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.DraftProbs, _Mapping]]] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    free_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.DraftProbs, _Mapping]]] = ..., logprobs: _Optional[int] = ..., free_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("num_accepted", "next_token_id", "bonus", "batch", "logprobs")

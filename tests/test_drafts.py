@@ -1,5 +1,5 @@
-"""The hybrid proposer over the real drafter service: lookup tokens drafted
-alone make no drafter call, mixed rounds draft after the lookup's tokens, and
+"""A request's Drafts (free sources and the model) over the real drafter service:
+lookup tokens drafted alone make no drafter call, mixed rounds draft after the lookup's tokens, and
 the drafter's session always ends up where a fresh one on the same text would."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 from tests.conftest import wait_for
 
 from coordinator.clients import DrafterClient, RemoteDraftProposer
-from specdec.spec.hybrid import HybridProposer
-from specdec.spec.ngram import RecentOutputs
-from specdec.spec.proposer import MODEL, NGRAM
-from specdec.spec.types import Commit
+from specdec.spec.proposers import MODEL
+from specdec.spec.proposers.drafts import Drafts
+from specdec.spec.proposers.ngram import NGRAM, NgramSource, RecentOutputs
+from specdec.spec.types import Commit, Lookup
 from specdec.spec.sampling import SamplingConfig
 from specdec.v1 import common_pb2
 from specdec.spec.wire import Truncation
@@ -49,17 +49,18 @@ def active_sessions(stack) -> int:
 
 
 def test_lookup_rounds_skip_the_model_which_then_catches_up_through_its_commit(stack, drafter_client):
-    hybrid = HybridProposer(model_proposer(drafter_client, stack))
+    hybrid = Drafts(model_proposer(drafter_client, stack), {NGRAM: NgramSource()})
     hybrid.start(uuid.uuid4().hex, PROMPT)
     hybrid.ready()
     try:
-        lookup = hybrid.lookup(PROMPT, 3)
-        assert lookup.token_ids == (14, 15, 11) and lookup.match_length == 3
-        free = hybrid.propose(0, GREEDY, None, prefix=lookup.token_ids[:2])
+        (lookup,) = hybrid.candidates(PROMPT, 3)
+        assert (lookup.token_ids, lookup.match_length, lookup.source) == ((14, 15, 11), 3, NGRAM)
+        free = hybrid.propose(0, GREEDY, None, prefix=Lookup(lookup.token_ids[:2], source=NGRAM))
         assert free.token_ids == (14, 15) and free.sources == ((NGRAM, 2),) and free.batch.forwards == 0  # no drafter call
+        assert free.free_tokens == 2
         # The verifier kept 14 and added 99; another lookup round kept nothing and added 98.
-        hybrid.propose(0, GREEDY, Commit(1, (99,)), prefix=(5,))
-        mixed = hybrid.propose(2, GREEDY, Commit(0, (98,)), prefix=(7,))
+        hybrid.propose(0, GREEDY, Commit(1, (99,)), prefix=Lookup((5,), source=NGRAM))
+        mixed = hybrid.propose(2, GREEDY, Commit(0, (98,)), prefix=Lookup((7,), source=NGRAM))
         context = PROMPT + [14, 99, 98]
         assert mixed.sources == ((NGRAM, 1), (MODEL, 2)) and mixed.token_ids[:1] == (7,) and mixed.batch.forwards > 0
         assert mixed.token_ids[1:] == fresh_greedy_draft(drafter_client, context + [7], 2)
@@ -71,13 +72,13 @@ def test_lookup_rounds_skip_the_model_which_then_catches_up_through_its_commit(s
         hybrid.end()
 
 
-def test_sampled_mixed_rounds_send_one_hot_lookups_and_the_models_truncated_support(stack, drafter_client):
-    hybrid = HybridProposer(model_proposer(drafter_client, stack, Truncation(top_k=16)))
+def test_sampled_mixed_rounds_send_no_rows_for_lookups_and_the_models_truncated_support(stack, drafter_client):
+    hybrid = Drafts(model_proposer(drafter_client, stack, Truncation(top_k=16)), {NGRAM: NgramSource()})
     hybrid.start(uuid.uuid4().hex, PROMPT)
     try:
-        proposal = hybrid.propose(2, SamplingConfig(temperature=0.9, seed=1), None, prefix=(14,))
-        assert len(proposal.draft_probs) == 3 and proposal.draft_probs[0].one_hot
-        for token, entry in zip(proposal.token_ids[1:], proposal.draft_probs[1:]):
+        proposal = hybrid.propose(2, SamplingConfig(temperature=0.9, seed=1), None, prefix=Lookup((14,), source=NGRAM))
+        assert proposal.free_tokens == 1 and len(proposal.token_ids) == 3 and len(proposal.draft_probs) == 2
+        for token, entry in zip(proposal.token_ids[1:], proposal.draft_probs):
             assert len(entry.token_ids) == 16 and token in entry.token_ids
             assert len(entry.probs_fp16) == 32
     finally:
@@ -87,13 +88,13 @@ def test_sampled_mixed_rounds_send_one_hot_lookups_and_the_models_truncated_supp
 def test_without_its_model_the_hybrid_keeps_its_lookups_and_ends_the_drafter_session_with_the_request(stack, drafter_client):
     before = active_sessions(stack)
     recent = RecentOutputs()
-    hybrid = HybridProposer(model_proposer(drafter_client, stack), recent)
+    hybrid = Drafts(model_proposer(drafter_client, stack), {NGRAM: NgramSource(recent)})
     hybrid.start(uuid.uuid4().hex, PROMPT)
     hybrid.ready()
     assert active_sessions(stack) == before + 1
     assert hybrid.free_only() is hybrid and not hybrid.drafts_with_model
-    assert hybrid.propose(4, GREEDY, None, prefix=(14, 15)).token_ids == (14, 15)  # no model to draft more
-    hybrid.lookup(PROMPT + [14, 15, 40, 41], 2)
+    assert hybrid.propose(4, GREEDY, None, prefix=Lookup((14, 15), source=NGRAM)).token_ids == (14, 15)  # no model
+    hybrid.candidates(PROMPT + [14, 15, 40, 41], 2)
     hybrid.end()  # the drafter's session ends with the request (off its path: at once, not waited for)
     assert wait_for(lambda: active_sessions(stack) == before, 5)
     # Its output (after the prompt) is what later requests' lookups may find.

@@ -1,4 +1,4 @@
-"""Free drafts: n-gram lookups in the tokens a request has seen (prompt lookup
+"""The "ngram" draft source: n-gram lookups in the tokens a request has seen (prompt lookup
 decoding) and in recent requests' outputs (as SuffixDecoding searches its
 global suffix tree). What followed the latest earlier occurrence of the
 context's suffix is proposed as a draft; no model runs, so a draft token costs
@@ -13,8 +13,10 @@ import threading
 from collections import deque
 from typing import Sequence
 
+from specdec.spec.proposers import SourceSpec, register
 from specdec.spec.types import Lookup
 
+NGRAM = "ngram"  # the source's name
 NGRAM_SIZES = (8, 4, 2, 1)  # tried longest first; a hit's match is then measured exactly, up to MAX_MATCH
 MAX_MATCH = 32
 
@@ -106,3 +108,29 @@ class RecentOutputs:
             if found.match_length > best.match_length:
                 best = found
         return best
+
+
+class NgramSource:
+    """The lookups of one request: in its own tokens, then in the caller's recent
+    outputs (`recent`, shared by the caller's requests under one cache_salt; None:
+    its own tokens only); the longer match wins."""
+
+    def __init__(self, recent: RecentOutputs | None = None):
+        self.recent = recent
+        self.index = NgramIndex()
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> Lookup:
+        self.index.extend(context[len(self.index) :])
+        own = self.index.match(self.index.tokens, max_tokens)
+        if self.recent is None or own.match_length >= MAX_MATCH:  # nothing elsewhere can match longer
+            return own
+        other = self.recent.match(self.index.tokens, max_tokens)
+        return other if other.match_length > own.match_length else own
+
+    def end(self, output_ids: Sequence[int]) -> None:
+        if self.recent is not None:
+            self.recent.add(output_ids)
+
+
+register(SourceSpec(NGRAM, NgramSource, help="n-gram lookups in the prompt, the output and the caller's recent "
+                                               "outputs"))
