@@ -62,6 +62,7 @@ class Speculation(BaseModel):
     enabled: bool | None = None
     gamma: int | None = Field(default=None, ge=0)
     proposer: Literal["hybrid", "model", "ngram"] | None = None
+    sources: list[str] | None = Field(default=None, max_length=16)   # draft sources by name (checked by Generate)
 
 
 class StreamOptions(BaseModel):
@@ -160,6 +161,7 @@ def to_generate(request: _Common, served_model: str) -> pb.GenerateRequest:
             out.speculation.enabled = spec.enabled
         out.speculation.gamma = spec.gamma or 0
         out.speculation.proposer = PROPOSERS[spec.proposer] if spec.proposer else pb.PROPOSER_KIND_UNSPECIFIED
+        out.speculation.sources.extend(spec.sources or ())
     if isinstance(request, ChatRequest):
         if not request.messages:
             raise InvalidArgument("'messages' must hold at least one message")

@@ -33,7 +33,7 @@ SETTINGS: tuple[Setting, ...] = (
     S("--proposer", dict(default="hybrid", choices=PROPOSER_CHOICES,
                          help="who drafts unless a request says: " + "; ".join(f"{k.name} ({k.help})"
                                                                               for k in KINDS.values())),
-      up=True, chart=True),
+      up=True, chart=True, values="proposer"),
     S("--draft-top-k", dict(type=int, default=DEFAULT_DRAFT_TOP_K,
                             help="when sampling, the drafter samples from its top-k tokens, renormalized, and sends "
                                  "only them (lossless: the verifier is told exactly that distribution); 0 with "
@@ -46,7 +46,7 @@ SETTINGS: tuple[Setting, ...] = (
                                            "authenticated caller (mTLS identity or bearer token; without auth, all "
                                            "callers are one): what a lookup drafts shows in timing and stats (0, "
                                            "the default: none; each request still searches its own prompt and "
-                                           "output)"), up=True, chart=True),
+                                           "output)"), up=True, chart=True, values="lookupHistoryTokens"),
     S("--share-prefix-cache", dict(default="off", choices=("off", "on"),
                                    help="let authenticated callers reuse each other's cached prompt prefixes in the "
                                         "model services (a hit shows in timing, so by default each caller's blocks "
@@ -56,11 +56,12 @@ SETTINGS: tuple[Setting, ...] = (
     S("--port", dict(type=int, default=50051), chart=True),
     S("--gamma", dict(default="auto", type=parse_gamma,
                       help="draft tokens per round: auto (adapted per request from rolling acceptance) or N"),
-      chart=True),
+      chart=True, values="gamma"),
     S("--gamma-max", dict(type=int, default=0,
                           help="the most draft tokens auto picks per round (0: the verifier's measured cost curve "
-                               "decides, 8 without one)"), chart=True),
-    S("--max-new-tokens", dict(type=int, default=128, help="default when a request sets none"), chart=True),
+                               "decides, 8 without one)"), chart=True, values="gammaMax"),
+    S("--max-new-tokens", dict(type=int, default=128, help="default when a request sets none"), chart=True,
+      values="maxNewTokens"),
     S("--trace-file", dict(help="also write spans as OTLP-JSON lines to this file (tracing is off unless this or "
                                 "OTEL_EXPORTER_OTLP_ENDPOINT is set)")),
     S("--metrics-port", dict(type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics"), up=True),
@@ -68,9 +69,10 @@ SETTINGS: tuple[Setting, ...] = (
                                          "/v1/completions, /v1/models, /health) on this port, beside gRPC (0 picks "
                                          "one; off unless set)"), up=True, chart=True),
     S("--connect-timeout", dict(type=float, default=300.0,
-                                help="seconds to wait for the drafter and verifier to be SERVING"), chart=True),
+                                help="seconds to wait for the drafter and verifier to be SERVING"), chart=True,
+      values="connectTimeoutSeconds"),
     S("--max-sessions", dict(type=int, default=64, help="Generate calls served at once; beyond it, RESOURCE_EXHAUSTED"),
-      up=True, chart=True),
+      up=True, chart=True, values="maxSessions"),
     S("--max-message-bytes", dict(type=int, default=MAX_PUBLIC_MESSAGE_BYTES,
                                   help="largest request or response on the public port"), up=True),
     S("--drafter-timeout", dict(type=float, default=30.0,
@@ -81,7 +83,8 @@ SETTINGS: tuple[Setting, ...] = (
                                    "that crashes or restarts has its sessions ended within this, not at their "
                                    "--session-ttl (0: no lease; at least 3 otherwise)"), up=True),
     S("--log-prompts", dict(action="store_true",
-                            help="include prompt text in the request log (off by default: prompts are users' data)")),
+                            help="include prompt text in the request log (off by default: prompts are users' data)"),
+      chart=True, values="logPrompts"),
     S("--auth-token-env", dict(metavar="VAR", help="require 'authorization: Bearer <token>', the token read from "
                                                    "this environment variable"), group="auth", up=True),
     S("--auth-token-file", dict(metavar="PATH", help="... or from this file"), group="auth", up=True),
@@ -94,7 +97,7 @@ SETTINGS: tuple[Setting, ...] = (
     S("--backend-tls-key", dict(help="... and its key"), group="backends"),
     # Every service's TLS and lifecycle flags (specdec.rpc.flags.SHARED), marked for the coordinator.
     shared("--tls-cert", up=True), shared("--tls-key", up=True), shared("--tls-client-ca", up=True),
-    shared("--health-port", up=True, chart=True), shared("--health-host", chart=True),
+    shared("--health-port", up=True, chart=True, values="healthPort"), shared("--health-host", chart=True),
     shared("--grace-period", chart=True),
 )
 GROUPS = {"auth": "auth", "backends": "the drafter and verifier (TLS, token)"}

@@ -155,6 +155,13 @@ def test_internal_bad_arguments(stack, sessions):
         (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(  # 2 drafts, probabilities for 3
             session_id=sessions, draft_token_ids=[1, 2], draft_probs=[dense(uniform)] * 3, sampling=hot),
          "draft_probs has 3 entries for 2 draft tokens"),
+        (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(  # 3 free tokens of 2 drafts
+            session_id=sessions, draft_token_ids=[1, 2], free_tokens=3, sampling=hot),
+         "free_tokens=3 is more than the 2 draft tokens"),
+        (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(  # 1 free token: a row for the other only
+            session_id=sessions, draft_token_ids=[1, 2], free_tokens=1, draft_probs=[dense(uniform)] * 2,
+            sampling=hot),
+         "draft_probs has 2 entries for 1 draft tokens after the 1 free ones"),
         (stack.verifier_stub.Verify, verifier_pb2.VerifyRequest(  # a vocabulary of the wrong size
             session_id=sessions, draft_token_ids=[1], draft_probs=[dense(b"\x00\x3c" * 520)], sampling=hot),
          "expected 1024 for 1 draft tokens x vocab 512"),

@@ -3,6 +3,7 @@ helm binary), every manifest validated against the Kubernetes schemas."""
 from __future__ import annotations
 
 import copy
+import json
 import pathlib
 
 import helm_python as helm
@@ -253,3 +254,27 @@ def test_the_schemas_choices_are_the_registries():
         properties = schema[service]["properties"]
         assert set(properties["quantize"]["enum"]) == set(QUANTIZE), service
         assert set(properties["dtype"]["enum"]) == set(DTYPES), service
+
+
+def test_the_charts_settings_are_derived_from_the_settings_tables(monkeypatch):
+    """A setting with a `values` key becomes its container argument and its schema
+    entry by generation (specdec_tools/chart_settings.py): the committed parts are
+    current, and a new setting needs no hand edit of the template or the schema."""
+    from specdec.rpc.flags import Setting
+    from specdec_tools import chart_settings
+    assert chart_settings.main(["--check"]) == 0
+    new = Setting("--draft-warmth", dict(type=int, default=3, help="a new setting, 100%% made up"), values="draftWarmth")
+    blocks = list(chart_settings.BLOCKS)
+    blocks[1] = (blocks[1][0], (*blocks[1][1], new), blocks[1][2])
+    monkeypatch.setattr(chart_settings, "BLOCKS", tuple(blocks))
+    assert '"--draft-warmth=%v" (.draftWarmth | int)' in chart_settings.template()
+    schema = chart_settings.schema(json.loads(chart_settings.SCHEMA.read_text()))
+    assert schema["properties"]["coordinator"]["properties"]["draftWarmth"] == {
+        "type": "integer", "description": "a new setting, 100% made up"}
+    # What was tuned by hand stays: the proposer's enum is the kinds', gamma keeps its anyOf.
+    coordinator = schema["properties"]["coordinator"]["properties"]
+    assert "anyOf" in coordinator["gamma"] and "type" not in coordinator["gamma"]
+    assert coordinator["lookupHistoryTokens"]["minimum"] == 0
+    with monkeypatch.context() as m:   # a stale committed part is caught
+        m.setattr(chart_settings, "BLOCKS", tuple(blocks))
+        assert chart_settings.main(["--check"]) == 1

@@ -137,6 +137,7 @@ def test_plain_http_streams_server_sent_events_to_done(front):
      "tools"),
     (dict(top_logprobs=21, logprobs=True), openai.BadRequestError, "top_logprobs"),
     (dict(extra_body={"speculation": {"proposer": "oracle"}}), openai.BadRequestError, "proposer"),
+    (dict(extra_body={"speculation": {"sources": ["eagle"]}}), openai.BadRequestError, "from ngram, model"),
     (dict(messages=[]), openai.BadRequestError, "messages"),
 ])
 def test_bad_requests_raise_the_clients_exception_with_the_reason(client, kwargs, error, says):

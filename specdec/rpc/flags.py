@@ -27,6 +27,9 @@ class Setting:
     group: str = ""          # the help section it is listed in
     up: bool = False         # `specdec up` takes it and hands it to the service as it is
     chart: bool = False      # the Helm chart sets it on every such container it renders
+    # The chart's values key it is derived from (templates/_settings.tpl and the values
+    # schema are generated from it: specdec_tools/chart_settings.py); "": set by hand, if at all
+    values: str = ""
     shared: bool = False     # one of SHARED, which every service takes
 
     @property

@@ -1,8 +1,9 @@
 """The model services' settings, declared once (specdec.rpc.flags.Setting):
 `python -m drafter` and `python -m verifier` build their command lines from
 this table, `specdec up` offers each setting marked `up` as --drafter-FLAG and
---verifier-FLAG and hands it to that service, and the chart's test checks that
-the chart sets what is marked `chart`. No torch: `specdec up` reads it too."""
+--verifier-FLAG and hands it to that service, and a setting with a `values` key
+is the chart's container argument and schema entry (generated:
+specdec_tools/chart_settings.py). No torch: `specdec up` reads it too."""
 from __future__ import annotations
 
 import argparse
@@ -22,13 +23,13 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
     S("--port", dict(type=int, default=0, help="0 picks a free port")),
     S("--uds", dict(metavar="PATH", help="serve on this Unix domain socket instead of HOST:PORT (sidecar mode): only "
                                          "who can enter its directory (made 0700 if missing) can call the service")),
-    S("--dtype", dict(default="fp32", choices=DTYPES), chart=True),
-    S("--device", dict(default="cpu", help="cpu or cuda"), chart=True),
+    S("--dtype", dict(default="fp32", choices=DTYPES), chart=True, values="dtype"),
+    S("--device", dict(default="cpu", help="cpu or cuda"), chart=True, values="device"),
     S("--quantize", dict(default="none", choices=QUANTIZE,
                          help="int8: specdec's INT8 (the drafter's default in pairs); int4: the GGUF's own Q4_K "
                               "blocks on torch's int4 kernel (CPU), tensors stored at higher precision in int8; "
                               "q4_0: the weights rounded to Q4_0 for llama.cpp's kernels (a draft's, CPU). "
-                              "Converted once and kept in the model cache"), chart=True),
+                              "Converted once and kept in the model cache"), chart=True, values="quantize"),
     S("--random-weights", dict(type=int, metavar="SEED",
                                help="BENCHMARK ONLY: build the model from --model's config.json with random weights "
                                     "drawn from this seed (in --dtype, on --device) instead of loading any; for timing "
@@ -42,14 +43,15 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
                            help="with --quantize int8 or q4_0: cut the LM head to the N ids the target writes most (the "
                                 "tokenizer's ranking in specdec/weights/vocab; the lowest ids without one) plus "
                                 "special tokens (0 = whole vocabulary); lossless, it only changes what is proposed"),
-      chart=True),
+      chart=True, values="headVocab"),
     S("--session-ttl", dict(type=float, default=600.0, help="seconds before an idle session is reaped"),
-      up=True, chart=True),
+      up=True, chart=True, values="sessionTtlSeconds"),
     S("--max-sessions", dict(type=int, default=256, help="sessions held at once; beyond it, RESOURCE_EXHAUSTED"),
-      up=True, chart=True),
+      up=True, chart=True, values="maxSessions"),
     S("--trace-file", dict(help="also write spans as OTLP-JSON lines to this file (tracing is off unless this or "
                                 "OTEL_EXPORTER_OTLP_ENDPOINT is set)")),
-    S("--threads", dict(type=int, default=0, help="torch CPU threads (0 = torch's default)"), up=True, chart=True),
+    S("--threads", dict(type=int, default=0, help="torch CPU threads (0 = torch's default)"), up=True, chart=True,
+      values="threads"),
     S("--cost-curve-rows", dict(type=int, default=17,
                                 help="at warm-up, time one forward over 1..N new rows and publish the curve in Info, "
                                      "for the coordinator's choice of γ, and time the prefill paths of every chunk "
@@ -60,7 +62,8 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
                                 "$SPECDEC_VERIFIER_COST_CURVE where set")),
     S("--kv-cache-mb", dict(type=float, default=0.0,
                             help="KV cache budget of all sessions together; growth past it is refused with "
-                                 "RESOURCE_EXHAUSTED (0 = 40%% of the memory available at start)"), up=True, chart=True),
+                                 "RESOURCE_EXHAUSTED (0 = 40%% of the memory available at start)"), up=True, chart=True,
+      values="kvCacheMb"),
     S("--prefill-chunk", dict(type=int, default=256,
                               help="prompt tokens per prefill forward: a long prompt holds up other sessions' rounds "
                                    "by one chunk at a time"), up=True),
@@ -101,7 +104,8 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
                                     "this or mutual TLS"), group="auth"),
     S("--auth-token-file", dict(metavar="PATH", help="... or from this file"), group="auth"),
     shared("--tls-cert"), shared("--tls-key"), shared("--tls-client-ca"),
-    shared("--health-port", chart=True), shared("--health-host", chart=True), shared("--grace-period", chart=True),
+    shared("--health-port", chart=True, values="healthPort"), shared("--health-host", chart=True),
+    shared("--grace-period", chart=True),
 )
 
 

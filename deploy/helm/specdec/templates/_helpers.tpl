@@ -97,11 +97,7 @@ livenessProbe:
   command: [{{ printf "specdec-%s" .component | quote }}]
   args:
     - --model={{ ternary $root.Values.models.target $root.Values.models.draft (eq .component "verifier") }}
-    - --dtype={{ $v.dtype }}
-    - --quantize={{ $v.quantize }}
-    - --head-vocab={{ $v.headVocab | default 0 | int }}
-    - --device={{ $v.device }}
-    - --threads={{ $v.threads }}
+    {{- include "specdec.modelSettings" $v | nindent 4 }}  {{- /* _settings.tpl: derived from the settings table */}}
     {{- if $split }}
     - --host=0.0.0.0
     - --port={{ $v.port }}
@@ -109,11 +105,7 @@ livenessProbe:
     {{- /* Sidecar mode: a Unix socket in a 0700 directory (made by the service) inside the pod-private emptyDir; no TCP port. */}}
     - --uds=/run/specdec/private/{{ .component }}.sock
     {{- end }}
-    - --health-port={{ $v.healthPort }}
     - --health-host=0.0.0.0  {{- /* kubelet probes reach the pod's IP */}}
-    - --max-sessions={{ $v.maxSessions }}
-    - --session-ttl={{ $v.sessionTtlSeconds }}
-    - --kv-cache-mb={{ $v.kvCacheMb }}
     - --grace-period={{ add $root.Values.gracePeriodSeconds 5 }}
     {{- if $split }}
     - --tls-cert=/etc/specdec/backend-tls/tls.crt
@@ -174,21 +166,11 @@ livenessProbe:
     {{- if $c.httpPort }}
     - --http-port={{ $c.httpPort }}
     {{- end }}
-    - --health-port={{ $c.healthPort }}
     - --health-host=0.0.0.0
-    - --gamma={{ $c.gamma }}
-    - --gamma-max={{ $c.gammaMax }}
-    - --proposer={{ $c.proposer | default "hybrid" }}
-    - --lookup-history-tokens={{ $c.lookupHistoryTokens | default 0 | int }}
-    - --max-sessions={{ $c.maxSessions }}
-    - --max-new-tokens={{ $c.maxNewTokens }}
-    - --connect-timeout={{ $c.connectTimeoutSeconds }}
+    {{- include "specdec.coordinatorSettings" $c | nindent 4 }}  {{- /* _settings.tpl: derived from the settings table */}}
     - --grace-period={{ .Values.gracePeriodSeconds }}
     {{- if .Values.metrics.enabled }}
     - --metrics-port={{ .Values.metrics.port }}
-    {{- end }}
-    {{- if $c.logPrompts }}
-    - --log-prompts
     {{- end }}
     {{- if .Values.tls.enabled }}
     - --tls-cert=/etc/specdec/tls/tls.crt
