@@ -22,7 +22,7 @@ from specdec.rpc import telemetry
 from specdec.rpc.security import ClientTls
 from specdec.rpc.serving import channel
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specdec.spec.wire import Truncation, draft_probs_from_proto, draft_probs_to_proto, sampling_to_proto
+from specdec.spec.wire import Truncation, sampling_to_proto
 
 log = logging.getLogger("coordinator")
 Timeout = Callable[[], "float | None"]  # seconds left of the caller's deadline
@@ -140,7 +140,7 @@ class VerifierClient(ModelClient):
                timeout: float | None = None, logprobs: int | None = None) -> RejectionOutput:
         """`logprobs` set: the output tokens' TokenLogprobs come back too, with that many top tokens."""
         draft = verifier_pb2.VerifyRequest(draft_token_ids=proposal.token_ids, free_tokens=proposal.free_tokens,
-                                           draft_probs=draft_probs_to_proto(proposal.draft_probs))
+                                           draft_probs=proposal.draft_probs)
         draft_bytes = draft.ByteSize()  # the draft's share of the request: its ids and probabilities
         draft.session_id = session_id
         draft.sampling.CopyFrom(sampling_to_proto(sampling))
@@ -220,7 +220,8 @@ class DrafterClient(ModelClient):
             request.commit.num_accepted = commit.num_accepted
             request.commit.target_token_ids.extend(commit.target_token_ids)
         reply = self._track(self.stub.Propose.future(request, timeout=timeout)).result()
-        return Proposal(tuple(reply.draft_token_ids), draft_probs_from_proto(reply.draft_probs),
+        # The draft's distributions pass through as the drafter sent them: the coordinator never reads them.
+        return Proposal(tuple(reply.draft_token_ids), tuple(reply.draft_probs),
                         tuple(reply.draft_confidences), BatchLoad.from_proto(reply.batch),
                         runs((MODEL, len(reply.draft_token_ids))))
 

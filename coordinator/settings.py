@@ -12,6 +12,7 @@ from specdec.rpc.flags import Setting, shared
 from specdec.rpc.serving import MAX_PUBLIC_MESSAGE_BYTES
 
 from coordinator.proposers import KINDS
+from specdec.spec.proposers import names as source_names
 
 PROPOSER_CHOICES = tuple(KINDS)  # who drafts: coordinator.proposers
 DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P = 256, 0.99  # the draft support sent when sampling
@@ -32,7 +33,9 @@ SETTINGS: tuple[Setting, ...] = (
       chart=True),
     S("--proposer", dict(default="hybrid", choices=PROPOSER_CHOICES,
                          help="who drafts unless a request says: " + "; ".join(f"{k.name} ({k.help})"
-                                                                              for k in KINDS.values())),
+                                                                              for k in KINDS.values())
+                              + ". A request may name its draft sources instead (speculation.sources): "
+                              + ", ".join(source_names())),
       up=True, chart=True, values="proposer"),
     S("--draft-top-k", dict(type=int, default=DEFAULT_DRAFT_TOP_K,
                             help="when sampling, the drafter samples from its top-k tokens, renormalized, and sends "

@@ -1,7 +1,8 @@
 """The chart's settings, derived from the services' settings tables: each
 `Setting` with a `values` key becomes its container argument (in the generated
-`templates/_settings.tpl`) and its entry in `values.schema.json` (type, choices,
-description; hand-written constraints such as minimums are kept). So a new chart
+`templates/_settings.tpl`) and its entry in `values.schema.json` (its choices and
+help; its type where the entry has none; hand-written constraints such as
+minimums are kept). So a new chart
 setting is its `Setting` and its default in values.yaml; then
 
     python -m specdec_tools.chart_settings           # rewrite the generated parts
@@ -58,7 +59,7 @@ def _entry(s: Setting, entry: dict) -> dict:
         kind = s.options.get("type")
         entry["type"] = "boolean" if s.options.get("action") == "store_true" else \
             "integer" if kind is int else "number" if kind is float else "string"
-    if "description" not in entry and s.options.get("help"):
+    if s.options.get("help"):   # the flag's own help, one text for both
         entry["description"] = s.options["help"].replace("%%", "%")
     return entry
 

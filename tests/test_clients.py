@@ -21,7 +21,7 @@ from specdec.spec.proposers.model import ProposerUnavailable
 from specdec.spec.proposers.ngram import NGRAM
 from specdec.spec.types import Commit, Proposal
 from specdec.spec.sampling import SamplingConfig
-from specdec.spec.wire import DraftProbs, Truncation
+from specdec.spec.wire import Truncation
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 FINGERPRINT = "f" * 64
@@ -112,8 +112,8 @@ def test_verify_sends_the_draft_and_reads_the_rejection_output_with_its_batching
         num_accepted=2, next_token_id=42, bonus=False,
         batch=common_pb2.BatchStats(forwards=2, rows=12, calls=6, queue_ms=3.5))]
     client = VerifierClient(address)
-    probs = DraftProbs((5, 9), np.array([0.75, 0.25], np.float16).tobytes())
-    last = DraftProbs((8,), np.array([1.0], np.float16).tobytes())
+    probs = common_pb2.DraftProbs(token_ids=(5, 9), probs_fp16=np.array([0.75, 0.25], np.float16).tobytes())
+    last = common_pb2.DraftProbs(token_ids=(8,), probs_fp16=np.array([1.0], np.float16).tobytes())
     proposal = Proposal((7, 5, 8), (probs, last), sources=((NGRAM, 1), (MODEL, 2)), free_tokens=1)
     result = client.verify("s1", proposal, SAMPLED)
     (sent,) = verifier.requests["Verify"]
@@ -182,7 +182,7 @@ def test_the_drafter_takes_the_lookups_tokens_and_the_proposal_is_its_own_drafts
     assert (sent.commit.num_accepted, list(sent.commit.target_token_ids)) == (1, [4])
     assert sent.truncation_top_k == 8 and sent.truncation_top_p == pytest.approx(0.9)
     assert proposal.token_ids == (11, 12) and proposal.sources == ((MODEL, 2),) and proposal.free_tokens == 0
-    assert [entry.token_ids for entry in proposal.draft_probs] == [(11, 12), (11, 12)]
+    assert list(proposal.draft_probs) == probs   # passed through as the drafter sent them
     assert proposal.confidences == pytest.approx((0.9, 0.5))
     proposer.end()
     assert eventually(lambda: [r.session_id for r in drafter.requests.get("EndSession", [])] == ["s1"])

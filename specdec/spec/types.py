@@ -7,8 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from specdec.spec.wire import DraftProbs
-
 # A draft by source: (source name, tokens) runs in draft order, e.g. a lookup's
 # tokens and then the model's after them. Every count per source is keyed so.
 Runs = tuple[tuple[str, int], ...]
@@ -65,8 +63,8 @@ class Lookup:
 class Proposal:
     token_ids: tuple[int, ...]                 # [n]: a free source's tokens, then the model's drafts
     # [n - free_tokens] when temperature > 0: the exact distribution each model token was
-    # sampled from, as it travels (sparse or dense; specdec.spec.wire).
-    draft_probs: tuple[DraftProbs, ...] = ()
+    # sampled from, as it travels (common.proto DraftProbs, sparse or dense), untouched.
+    draft_probs: tuple = ()
     confidences: tuple[float, ...] = ()        # the model's, one per token it drafted
     batch: BatchLoad = BatchLoad()             # a model proposer's service: its batching
     sources: Runs = ()                         # who drafted which: runs summing to n
