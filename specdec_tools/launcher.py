@@ -7,10 +7,14 @@ private directory (0700), so only this user reaches them and a round's two RPCs
 skip TCP; `model_transport="tcp"` serves them on loopback ports instead.
 A child that exits is restarted with backoff at the same address (`Supervisor`),
 like a process manager: the coordinator goes on target-only while the drafter is
-away, and answers UNAVAILABLE while the verifier is."""
+away, and answers UNAVAILABLE while the verifier is. With `standby`, each child
+has a spare process waiting with its imports done (specdec_tools/standby.py),
+which a restart takes over: a restart then costs the service's load and warm-up,
+not Python's imports."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import secrets
 import shutil
@@ -39,18 +43,45 @@ class Child:
     started_at: float = 0.0
     restarts: int = 0
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
+    standby: subprocess.Popen | None = None  # its imports done, for the next (re)start (keep_standby)
+    keep_standby: bool = False
 
-    def start(self) -> "Child":
-        """(Re)start `python -m module`; `wait_serving` waits for its 'NAME SERVING on ADDRESS' line."""
+    def _popen(self, argv: list[str], stdin=None) -> subprocess.Popen:
         # Few malloc arenas: glibc otherwise keeps one per busy thread (gRPC workers),
         # and freed KV caches linger in them as RSS. A fixed mmap threshold: glibc
         # raises its own to the size of each large block freed, after which KV pages
         # (14.7 MB for 256 tokens of the 1.5B) come from the heap and stay in RSS
         # once their sessions end (+16% after 32 sessions at once); mmapped, they go back.
         env = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(4 << 20), **os.environ, **self.env}
+        return subprocess.Popen([sys.executable, "-u", *argv], stdin=stdin, stdout=subprocess.PIPE, text=True, env=env)
+
+    def spawn_standby(self) -> None:
+        """A spare process for the next (re)start, importing while this one serves."""
+        self.keep_standby = True
+        if self.standby is None or self.standby.poll() is not None:
+            self.standby = self._popen(["-m", "specdec_tools.standby", self.module], stdin=subprocess.PIPE)
+
+    def drop_standby(self) -> None:
+        standby, self.standby, self.keep_standby = self.standby, None, False
+        if standby is not None and standby.poll() is None:
+            standby.stdin.close()   # it exits without serving
+            try:
+                standby.wait(5)
+            except subprocess.TimeoutExpired:
+                standby.kill()
+
+    def start(self) -> "Child":
+        """(Re)start `python -m module`, in its standby where there is one; `wait_serving`
+        waits for its 'NAME SERVING on ADDRESS' line."""
         self.serving = threading.Event()
-        self.process = process = subprocess.Popen([sys.executable, "-u", "-m", self.module, *self.args],
-                                                  stdout=subprocess.PIPE, text=True, env=env)
+        standby, self.standby = self.standby, None
+        if standby is not None and standby.poll() is None:
+            standby.stdin.write(json.dumps(self.args) + "\n")
+            standby.stdin.close()
+            process = standby
+        else:
+            process = self._popen(["-m", self.module, *self.args])
+        self.process = process
         self.started_at = time.monotonic()
         serving = self.serving
 
@@ -61,6 +92,8 @@ class Child:
                     self.address = words[0]
                     self.http_port = next((int(w[5:]) for w in words[1:] if w.startswith("http=")), None)
                     serving.set()
+                    if self.keep_standby:   # serving again after a restart: the next spare
+                        self.spawn_standby()
 
         threading.Thread(target=read, daemon=True).start()
         return self
@@ -99,6 +132,8 @@ def wait_serving(child: Child, ready_timeout_s: float) -> Child:
 def stop(children: list[Child], grace_s: float = 30.0) -> None:
     """SIGTERM the coordinator first and let it drain its requests, then the
     model services it was using (they would otherwise fail its in-flight rounds)."""
+    for child in children:
+        child.drop_standby()
     front = [c for c in children if c.name == "coordinator"]
     for group in (front, [c for c in children if c not in front]):
         for child in group:
@@ -178,6 +213,7 @@ class StackOptions:
     ready_timeout_s: float = 900.0
     threads: int = 0
     model_transport: str = "uds"  # drafter and verifier on Unix sockets in a private directory, or "tcp" (loopback)
+    standby: bool = False  # a spare process per service for restarts (specdec up), once the stack serves
     coordinator_args: tuple[str, ...] = ()  # passed on as they are (auth, TLS, limits)
     drafter_args: tuple[str, ...] = ()      # ... and to each model service (its limits, threads, KV budget)
     verifier_args: tuple[str, ...] = ()
@@ -264,7 +300,11 @@ class Stack:
             "--drafter", drafter.address, "--verifier", verifier.address, "--host", options.host,
             "--port", str(options.port), "--gamma", str(options.gamma), "--gamma-max", str(options.gamma_max),
             *tracing, *self._backend_auth(), *options.coordinator_args], self.env))
-        return wait_serving(self.children[-1], options.ready_timeout_s)
+        coordinator = wait_serving(self.children[-1], options.ready_timeout_s)
+        if options.standby:  # only now: their imports would disturb the services' timings at warm-up
+            for child in self.children:
+                child.spawn_standby()
+        return coordinator
 
     def _listen(self, name: str) -> list[str]:
         if self.sockets is not None:

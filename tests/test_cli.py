@@ -99,7 +99,8 @@ def test_up_generate_and_stop():
         up.send_signal(signal.SIGTERM)
         code = up.wait(60)
     assert code == 0
-    assert len(children) == 3 and not any(alive(pid) for pid in children), "a service outlived `specdec up`"
+    # The three services, and their standbys (spares with their imports done, for restarts).
+    assert len(children) >= 3 and not any(alive(pid) for pid in children), "a service outlived `specdec up`"
 
 
 @pytest.mark.integration
@@ -118,6 +119,20 @@ def service_pid(up_pid: int, module: str) -> int | None:
         except OSError:
             continue
         if alive(pid) and b"-m" in argv and argv[argv.index(b"-m") + 1] == module.encode():
+            return pid
+    return None
+
+
+def standby_pid(up_pid: int, module: str) -> int | None:
+    """`specdec up`'s spare for `module` (python -m specdec_tools.standby MODULE), once it is waiting."""
+    for pid in child_pids(up_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if alive(pid) and b"specdec_tools.standby" in argv and argv[argv.index(b"specdec_tools.standby") + 1] == \
+                module.encode():
             return pid
     return None
 
@@ -166,9 +181,13 @@ def test_up_serves_the_models_on_private_sockets_and_restarts_what_dies(tmp_path
                     return None
             for module in ("drafter", "verifier"):
                 old = service_pid(up.pid, module)
+                # Its standby has done its imports: the restart takes it over.
+                assert wait_for(lambda: standby_pid(up.pid, module) is not None, 30), module
+                spare = standby_pid(up.pid, module)
                 os.kill(old, signal.SIGKILL)
                 # Restarted at the same socket; the stack serves on, and speculates again once it is back.
-                assert wait_for(lambda: service_pid(up.pid, module) not in (None, old), 30), module
+                assert wait_for(lambda: f"specdec up: {module} restarted (pid {spare}," in
+                                (tmp_path / "stderr").read_text(), 30), module
                 assert wait_for(lambda: (r := generate()) is not None and model_draft_tokens(r.stats) > 0
                                 and list(r.token_ids) == reference, 60), module
                 # `up` says so once its own check sees it serving (the coordinator may see it first).
