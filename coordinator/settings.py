@@ -87,7 +87,7 @@ SETTINGS: tuple[Setting, ...] = (
                                    "--session-ttl (0: no lease; at least 3 otherwise)"), up=True),
     S("--log-prompts", dict(action="store_true",
                             help="include prompt text in the request log (off by default: prompts are users' data)"),
-      chart=True, values="logPrompts"),
+      values="logPrompts"),   # a switch: the chart passes it where the value is true
     S("--auth-token-env", dict(metavar="VAR", help="require 'authorization: Bearer <token>', the token read from "
                                                    "this environment variable"), group="auth", up=True),
     S("--auth-token-file", dict(metavar="PATH", help="... or from this file"), group="auth", up=True),
