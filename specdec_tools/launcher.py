@@ -64,11 +64,8 @@ class Child:
     def drop_standby(self) -> None:
         standby, self.standby, self.keep_standby = self.standby, None, False
         if standby is not None and standby.poll() is None:
-            standby.stdin.close()   # it exits without serving
-            try:
-                standby.wait(5)
-            except subprocess.TimeoutExpired:
-                standby.kill()
+            standby.kill()   # it serves nothing and holds nothing: no need to wait out its imports
+            standby.wait()
 
     def start(self) -> "Child":
         """(Re)start `python -m module`, in its standby where there is one; `wait_serving`
@@ -107,6 +104,9 @@ class Child:
 
 
 BACKEND_TOKEN_ENV = "SPECDEC_BACKEND_TOKEN"  # the stack's own token for its model services over TCP
+
+
+STANDBY_DELAY_S = 5.0  # after the stack serves, before its standbys start importing
 
 
 class LaunchError(RuntimeError):
@@ -272,6 +272,9 @@ class Stack:
 
     def __init__(self, options: StackOptions):
         self.options = options
+        self._standby_timer: threading.Timer | None = None
+        self._standby_lock = threading.Lock()
+        self._stopping = False
         self.children: list[Child] = []  # in start order, so a failed launch stops what did start
         self.sockets = SocketDir() if options.model_transport == "uds" else None
         # Over TCP, even on loopback, any local user could call the model services:
@@ -301,10 +304,19 @@ class Stack:
             "--port", str(options.port), "--gamma", str(options.gamma), "--gamma-max", str(options.gamma_max),
             *tracing, *self._backend_auth(), *options.coordinator_args], self.env))
         coordinator = wait_serving(self.children[-1], options.ready_timeout_s)
-        if options.standby:  # only now: their imports would disturb the services' timings at warm-up
-            for child in self.children:
-                child.spawn_standby()
+        if options.standby:
+            # Not before the stack serves (their imports would disturb the services' timings at
+            # warm-up), nor at once: a stack's first requests do not share the cores with them.
+            self._standby_timer = threading.Timer(STANDBY_DELAY_S, self._spawn_standbys)
+            self._standby_timer.daemon = True
+            self._standby_timer.start()
         return coordinator
+
+    def _spawn_standbys(self) -> None:
+        with self._standby_lock:
+            if not self._stopping:
+                for child in self.children:
+                    child.spawn_standby()
 
     def _listen(self, name: str) -> list[str]:
         if self.sockets is not None:
@@ -318,6 +330,10 @@ class Stack:
         return next(c for c in self.children if c.name == name)
 
     def stop(self, grace_s: float = 30.0) -> None:
+        with self._standby_lock:
+            self._stopping = True
+            if self._standby_timer is not None:
+                self._standby_timer.cancel()
         stop(self.children, grace_s)
         if self.sockets is not None:
             self.sockets.remove()

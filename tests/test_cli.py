@@ -111,30 +111,27 @@ def test_up_with_a_mismatched_pair_exits_and_names_the_difference():
     assert "coordinator exited with code 2" in result.stderr
 
 
-def service_pid(up_pid: int, module: str) -> int | None:
+def child_running(up_pid: int, *words: str) -> int | None:
+    """A live child of `specdec up` whose command line has `words` in a row."""
+    wanted = [w.encode() for w in words]
     for pid in child_pids(up_pid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if alive(pid) and b"-m" in argv and argv[argv.index(b"-m") + 1] == module.encode():
+        if alive(pid) and any(argv[i : i + len(wanted)] == wanted for i in range(len(argv))):
             return pid
     return None
+
+
+def service_pid(up_pid: int, module: str) -> int | None:
+    return child_running(up_pid, "-m", module)
 
 
 def standby_pid(up_pid: int, module: str) -> int | None:
-    """`specdec up`'s spare for `module` (python -m specdec_tools.standby MODULE), once it is waiting."""
-    for pid in child_pids(up_pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if alive(pid) and b"specdec_tools.standby" in argv and argv[argv.index(b"specdec_tools.standby") + 1] == \
-                module.encode():
-            return pid
-    return None
+    """`specdec up`'s spare for `module` (python -m specdec_tools.standby MODULE)."""
+    return child_running(up_pid, "-m", "specdec_tools.standby", module)
 
 
 @pytest.mark.integration
