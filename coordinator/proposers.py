@@ -28,8 +28,8 @@ class ProposerKind:
         return MODEL in self.sources()
 
     @property
-    def needs_drafter(self) -> bool:         # useless without it: refused where the coordinator runs without one
-        return self.sources() == (MODEL,)
+    def needs_drafter(self) -> bool:
+        return needs_drafter(self.sources())
 
 
 KINDS: dict[str, ProposerKind] = {kind.name: kind for kind in (
@@ -38,6 +38,11 @@ KINDS: dict[str, ProposerKind] = {kind.name: kind for kind in (
     ProposerKind("model", lambda: (MODEL,), help="the drafter alone"),
     ProposerKind("ngram", lambda: ("ngram",), help="the lookups alone, no drafter"),
 )}
+
+
+def needs_drafter(sources: tuple[str, ...]) -> bool:
+    """Useless without the drafter: refused where the coordinator runs without one."""
+    return tuple(sources) == (MODEL,)
 
 
 def checked_sources(asked) -> tuple[str, ...]:

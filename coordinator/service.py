@@ -31,7 +31,7 @@ from coordinator.engine import GenerationRequest, SpeculativeEngine
 from coordinator.gamma import Acceptance, CostModel
 from coordinator.gamma.bound import describe as describe_bound, fixed_gamma
 from coordinator.metrics import Metrics
-from coordinator.proposers import KINDS, build
+from coordinator.proposers import KINDS, build, needs_drafter
 from coordinator.settings import DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P
 from coordinator.requests import (Limits, max_token_chars, prefix_salt, request_attributes, response_attributes,
                                   to_domain, update_to_proto)
@@ -187,7 +187,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if MODEL not in sources:
             return build(sources, None, recent), ""
         if self.backends.drafter is None:
-            if sources == (MODEL,):
+            if needs_drafter(sources):
                 asked = f"the {kind.name} proposer" if not domain.sources else "the model source"
                 raise FailedPrecondition(f"this coordinator runs without a drafter (--proposer ngram); {asked} "
                                          "needs one: ask for another, or leave it unset")

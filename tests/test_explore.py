@@ -11,7 +11,7 @@ import pytest
 
 import drafter.service
 import verifier.service
-from coordinator.gamma import Acceptance, ControllerState, CostModel, GammaController, GammaPriors, RowCurve
+from coordinator.gamma import Acceptance, ControllerState, CostModel, GammaController, GammaPriors
 from coordinator.gamma.bound import describe
 from coordinator.gamma.explore import (BUDGET_SHARE, LOOKUP_ROUND, MODEL_ROUND, PREFILL, Exploration, break_even,
                                        upper_acceptance, within_reach)

@@ -8,9 +8,8 @@ from typing import Sequence
 
 from specdec.spec.proposers import MODEL, SOURCES
 from specdec.spec.types import Lookup, Runs, runs
-from specdec.spec.sampling import SamplingConfig
 
-from coordinator.gamma.acceptance import (MATCH_BUCKETS, Acceptance, Calibration, cumulative, lookup_acceptances,
+from coordinator.gamma.acceptance import (Acceptance, Calibration, cumulative, lookup_acceptances,
                                           match_bucket)
 from coordinator.gamma.cost import LOAD_ALONE, CostModel
 from coordinator.gamma.explore import LOOKUP_ROUND, LOOKUP_WAIT, MODEL_ROUND, Exploration, break_even, within_reach

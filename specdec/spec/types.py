@@ -74,9 +74,6 @@ class Proposal:
         assert sum(n for _, n in self.sources) == len(self.token_ids), (self.sources, len(self.token_ids))
         assert 0 <= self.free_tokens <= len(self.token_ids), (self.free_tokens, len(self.token_ids))
 
-    def tokens_from(self, source: str) -> int:
-        return sum(n for name, n in self.sources if name == source)
-
 
 @dataclass(frozen=True)
 class RejectionOutput:

@@ -35,10 +35,6 @@ class Drafts:
     def drafts_with_model(self) -> bool:
         return self.model is not None
 
-    @property
-    def looks_up(self) -> bool:
-        return bool(self.sources)
-
     def start(self, session_id: str, prompt_ids: Sequence[int]) -> None:
         self.prompt_length, self._context = len(prompt_ids), prompt_ids
         if self.model is not None:
