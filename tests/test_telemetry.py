@@ -45,6 +45,8 @@ def traced(tiny_target, tiny_draft):
 def test_span_tree_and_attributes(traced):
     stub, exporter = traced
     exporter.clear()  # start-up calls (Info, GetTokenizer) are traces of their own
+    time.sleep(2.5)  # idle: the health watch and the lease renewals (each second) leave no trace
+    assert exporter.get_finished_spans() == ()
     response = stub.Generate(pb.GenerateRequest(prompt=SECRET, max_new_tokens=20,
                                                 sampling=common_pb2.SamplingParams(temperature=0.7, seed=5)),
                              timeout=60)

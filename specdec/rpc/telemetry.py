@@ -110,8 +110,10 @@ def server_interceptors() -> list[Any]:
     if _provider is None:
         return []
     from opentelemetry.instrumentation.grpc import filters, server_interceptor
-    # Health probes (every few seconds under Kubernetes) would each be a trace of their own.
-    return [server_interceptor(tracer_provider=_provider, filter_=filters.negate(filters.health_check()))]
+    # Health probes (every few seconds under Kubernetes) and the coordinator's lease renewals
+    # (KeepAlive, each second) would each be a trace of their own.
+    background = filters.any_of(filters.health_check(), filters.method_name("KeepAlive"))
+    return [server_interceptor(tracer_provider=_provider, filter_=filters.negate(background))]
 
 
 def traced_channel(channel: grpc.Channel) -> grpc.Channel:
