@@ -377,3 +377,33 @@ def test_a_service_batching_many_sessions_times_the_choice_at_its_rows(registry,
     assert kernel_choices.state().choices[("int8-wo", 64, 32, 0)] == "torch-int8-wo"
     with pytest.raises(ValueError, match="--kernel-rows must be at least 1"):
         kernel_choices.choose_at(0)
+
+
+def test_a_kernel_restored_for_batches_of_several_sessions_only_is_made_after_serving(registry):
+    # A start profile naming a backend for gathered buckets only: the layer's first call
+    # does not make its weight; gathered calls run the layer's own kernel until
+    # prepare_deferred has made it, then the backend.
+    made = []
+
+    def prepare(codes, scales):
+        made.append(codes.shape)
+        return codes.float() * scales[:, None]
+    # Its arithmetic 1% off the layer's own (within the check), so which one ran shows.
+    registry.register(kernels.Backend("rowwise", "int8-channel", "torch", prepare,
+                                      lambda w, x: 1.01 * (x.float() @ w.t()), per_row=True))
+    generator = torch.Generator().manual_seed(11)
+    head = int8.Int8WeightOnlyLinear(torch.randn(64, 32, generator=generator), int8_activations=True)
+    key = ("int8-wo", 64, 32)
+    kernel_choices.restore_choices({(*key, 0): "torch-int8-wo", (*key, "gathered", 8): "rowwise"})
+    x = torch.randn(8, 32, generator=generator)
+    own = head._weight_only(x.bfloat16()).float()
+    alone = head(x).float()
+    assert made == [] and torch.equal(alone, own)          # a session alone: its own kernel, nothing made
+    with kernel_choices.gathered():
+        assert torch.equal(head(x).float(), own)           # not made yet: the layer's own kernel in its place
+    assert kernel_choices.prepare_deferred(lambda fn: fn()) == 1 and made == [(64, 32)]
+    assert kernel_choices.state().deferred == []
+    with kernel_choices.gathered():
+        served = head(x).float()
+    assert 1.005 < (served / own).median() < 1.015          # now the backend's
+    assert torch.equal(head(x).float(), alone)              # and a session alone still its own

@@ -44,6 +44,9 @@ class KernelState:
     # After restore_choices: a layer key ((kind, out, in)) -> the kernels its choices name.
     named: dict[tuple, set[str]] = field(default_factory=dict)
     failed: set[tuple] = field(default_factory=set)   # (backend, out, in): failed its check on a layer of that shape
+    # Kernels' weights that restored choices name for batches of several sessions only, made
+    # after the service serves (`Deferred`, `prepare_deferred`).
+    deferred: list["Deferred"] = field(default_factory=list)
 
 
 # The states in force, innermost last. Not thread-local on purpose: a scope entered on a
@@ -181,7 +184,13 @@ def pick_per_layer(key: tuple, x: torch.Tensor, own_name: str, own: Callable[[to
         return own(x)
 
     def calls(x: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
-        return {own_name: lambda: own(x), **{b.name: (lambda b=b, s=s: b.run(s, x).to(x.dtype)) for b, s in accel}}
+        def run(backend: Backend, weight: object) -> torch.Tensor:
+            if isinstance(weight, Deferred):
+                weight = weight.state
+                if weight is None:   # not made yet, or failed its check: the layer's own kernel
+                    return own(x)
+            return backend.run(weight, x).to(x.dtype)
+        return {own_name: lambda: own(x), **{b.name: (lambda b=b, s=s: run(b, s)) for b, s in accel}}
     rows, timed_rows = x.shape[0], state().timed_rows
     if _GATHERED:   # several sessions' rows: the fastest kernel for this bucket (`gathered`)
         return pick((*key, "gathered"), rows, calls(x))
@@ -208,6 +217,43 @@ def restore_choices(choices: dict[tuple, str]) -> None:
     now.named.clear()
     for choice_key, name in choices.items():
         now.named.setdefault(tuple(choice_key[:3]), set()).add(name)
+
+
+def gathered_only(key: tuple, backend: str) -> bool:
+    """Whether restored choices name `backend` for a layer of `key` only in batches of
+    several sessions' rows: its weight can wait until the service serves (`Deferred`)."""
+    if backend not in state().named.get(tuple(key[:3]), ()):
+        return False
+    return all(len(k) > 3 and k[3] == "gathered" for k, name in state().choices.items()
+               if name == backend and tuple(k[:3]) == tuple(key[:3]))
+
+
+class Deferred:
+    """A kernel's weight for one layer, made later: restored choices name its kernel for
+    batches of several sessions only (a gate/up layer's int8 copy for fbgemm, 0.3 s each
+    for the 1.5B: 13 s of a restart), which no request needs before the service serves.
+    Until `prepare` has run (or where the kernel failed its check), calls that would take
+    it run the layer's own kernel instead: the same output within its tolerance, slower."""
+
+    def __init__(self, make: Callable[[], object]):
+        self._make: Callable[[], object] | None = make
+        self.state: object = None
+
+    def prepare(self) -> None:
+        make, self._make = self._make, None   # dropped once made: it holds what the weight is made from
+        if make is not None:
+            self.state = make()
+
+
+def prepare_deferred(run: Callable[[Callable[[], None]], None], kernel_state: KernelState | None = None) -> int:
+    """Make every deferred weight of `kernel_state` (the state in force), each through
+    `run` (the torch thread's, one layer a call, so forwards go between them); how many."""
+    pending = (kernel_state or state()).deferred
+    done = 0
+    while pending:
+        run(pending.pop(0).prepare)
+        done += 1
+    return done
 
 
 def wanted(key: tuple, backend: str) -> bool:

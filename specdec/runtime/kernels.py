@@ -163,13 +163,22 @@ def prepared(weight_format: str, weight: tuple | Callable[[], tuple], reference:
     assert weight_format in WEIGHT_FORMATS, weight_format
     out, states = [], {}
     backends = [b for b in usable(weight_format, per_row, activation_bits) if wanted(key, b.name)]
-    if backends and callable(weight):
-        weight = weight()
-    for backend in backends:
-        state = checked(backend, weight, reference, in_features or weight[0].shape[1], states.get(backend.shares))
+    made = functools.cache(weight if callable(weight) else lambda: weight)
+
+    def check(backend: Backend) -> object | None:
+        the_weight = made()
+        state = checked(backend, the_weight, reference, in_features or the_weight[0].shape[1],
+                        states.get(backend.shares))
         if state is not None:
-            out.append((backend, state))
             states[backend.name] = state
+        return state
+    for backend in backends:
+        if kernel_choices.gathered_only(key, backend.name):   # made once the service serves
+            later = kernel_choices.Deferred(lambda backend=backend: check(backend))
+            kernel_choices.state().deferred.append(later)
+            out.append((backend, later))
+        elif (state := check(backend)) is not None:
+            out.append((backend, state))
     return out
 
 

@@ -25,8 +25,8 @@ from specdec.rpc.security import ServerTls, refuse_if_exposed
 from specdec.rpc.serving import RunningServer, start_server
 from specdec.rpc.sessions import SessionStore, check_id
 from specdec.service import start_profile
-from specdec.service.warm_up import (GATHERED_ROWS, keep_dense_weights, measure_cost_curve, warm_and_time,
-                                     warm_up)
+from specdec.service.warm_up import (GATHERED_ROWS, keep_dense_weights, measure_cost_curve, prepare_deferred_kernels,
+                                     warm_and_time, warm_up)
 from specdec.weights.tokenizer_fingerprint import tokenizer_files
 from specdec.v1 import common_pb2
 
@@ -317,4 +317,5 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
                  config.max_batch_rows, config.prefill_chunk,
                  f"on ({prefix.block_tokens}-token blocks, within the pool)" if prefix else "off")
     running.set_serving(True)
+    prepare_deferred_kernels(service_name)
     return running
