@@ -329,6 +329,29 @@ class Stack:
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
+    def info(self, name: str):
+        """The model service `name`'s Info (a specdec.v1 ModelInfo)."""
+        from specdec.rpc.serving import channel
+        from specdec.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
+        stub_cls = drafter_pb2_grpc.DrafterStub if name == "drafter" else verifier_pb2_grpc.VerifierStub
+        with channel(self.child(name).address, None, self.env.get(BACKEND_TOKEN_ENV)) as ch:
+            return stub_cls(ch).Info(common_pb2.InfoRequest(), timeout=10)
+
+    def settle(self, timeout_s: float = 300.0, say: Callable[[str], None] = print) -> None:
+        """Wait until the model services have made the kernels they make after SERVING
+        (Info.kernels_pending): a benchmark measures the stack as it will serve, not
+        while a verifier still makes its batches' kernels between forwards."""
+        deadline, said = time.monotonic() + timeout_s, False
+        while True:
+            pending = {name: self.info(name).kernels_pending for name in ("drafter", "verifier")}
+            if not any(pending.values()) or time.monotonic() > deadline:
+                return
+            if not said:
+                say("waiting for the model services' kernels for batches of several sessions ("
+                    + ", ".join(f"{name}: {n} layers" for name, n in pending.items() if n) + ")")
+                said = True
+            time.sleep(0.5)
+
     def stop(self, grace_s: float = 30.0) -> None:
         with self._standby_lock:
             self._stopping = True

@@ -334,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             stack = launcher.Stack(options)
             children = stack.children
             coordinator = stack.launch()
+            stack.settle(say=lambda line: print(f"specdec load: {line}", flush=True))
             target.address, target.http_url = coordinator.address, f"http://127.0.0.1:{coordinator.http_port}/v1"
         print(f"specdec load: warming up against {target.address}", flush=True)
         warmup = max(args.levels) if args.warmup < 0 else args.warmup

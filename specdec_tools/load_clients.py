@@ -15,7 +15,7 @@ import httpx
 from google.protobuf.json_format import ParseDict
 
 from specdec.rpc.serving import channel
-from specdec.v1 import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc, drafter_pb2_grpc, verifier_pb2_grpc
+from specdec.v1 import coordinator_pb2 as pb, coordinator_pb2_grpc
 from specdec_tools import launcher
 
 APIS = ("grpc", "http")
@@ -133,14 +133,9 @@ def sessions_left(stack: launcher.Stack, within_s: float = 5.0) -> dict[str, int
     none is left or `within_s` has passed: a client that went away in the last
     round is noticed within a poll and its generation ends within a round, but a
     session it left open would still be open by then."""
-    token = stack.env.get(launcher.BACKEND_TOKEN_ENV)
     deadline = time.monotonic() + within_s
     while True:
-        out = {}
-        for name, stub_cls in (("drafter", drafter_pb2_grpc.DrafterStub),
-                               ("verifier", verifier_pb2_grpc.VerifierStub)):
-            with channel(stack.child(name).address, None, token) as ch:
-                out[name] = stub_cls(ch).Info(common_pb2.InfoRequest(), timeout=10).active_sessions
+        out = {name: stack.info(name).active_sessions for name in ("drafter", "verifier")}
         if not any(out.values()) or time.monotonic() >= deadline:
             return out
         time.sleep(0.05)

@@ -251,7 +251,8 @@ def prepare_deferred(run: Callable[[Callable[[], None]], None], kernel_state: Ke
     pending = (kernel_state or state()).deferred
     done = 0
     while pending:
-        run(pending.pop(0).prepare)
+        run(pending[0].prepare)
+        pending.pop(0)   # after it is made: `pending` counts what batches still wait for (Info)
         done += 1
     return done
 

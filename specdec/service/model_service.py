@@ -110,7 +110,8 @@ class ModelServiceBase(Generic[S]):
             kv_tokens_used=self.pool.used_tokens if self.pool else 0,
             kv_tokens_budget=self.pool.budget_tokens if self.pool else 0, session_ttl_s=self.sessions.ttl_s,
             kernel_choices=kernel_choices.choices(), sessions_ended_by_lease=self.sessions.ended_by_lease,
-            sessions_reaped_idle=self.sessions.reaped_idle, **self._prefix_info())
+            sessions_reaped_idle=self.sessions.reaped_idle, kernels_pending=len(kernel_choices.state().deferred),
+            **self._prefix_info())
 
     def _prefix_info(self) -> dict[str, int]:
         if self.prefix is None:

@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         say(f"starting the {args.pair} services")
         coordinator = stack.launch()
+        stack.settle(say=say)
         services = ServiceSystems(coordinator.address, args.max_new_tokens)
         bf16_services = None
         if AUTO_BF16 in systems:
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             stacks.append(launcher.Stack(launcher.StackOptions.for_pair(
                 pair, port=0, threads=args.threads, target_quantize="none", device=args.device)))
             bf16_services = ServiceSystems(stacks[-1].launch().address, args.max_new_tokens)
+            stacks[-1].settle(say=say)
         target = load_model(pair.target, dtype=pair.target_dtype)
         in_process = None
         if not args.no_hf:
