@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 
@@ -127,3 +129,18 @@ def test_one_slow_decode_step_at_a_restart_does_not_throw_the_profile_away(tiny_
     for _ in range(2):
         drafter.service.serve(tiny_draft, cost_curve_rows=3).stop(0)
     assert busy == [True] and timed == ["gathered"]   # the second start's check met the slow step, and held
+
+
+def test_a_kernel_deferred_while_serving_is_made_within_a_poll_and_the_thread_ends_with_the_service(kernel_state):
+    # A layer first called by a request (not at warm-up) defers its kernel then: the
+    # service's thread makes it too, not only what warm-up deferred.
+    stopped = threading.Event()
+    thread = warm_up.prepare_deferred_kernels("test", stopped)
+    later = kernel_choices.Deferred(lambda: "its weight")
+    kernel_state.deferred.append(later)
+    deadline = time.monotonic() + 10 * warm_up.DEFERRED_POLL_S
+    while later.state is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stopped.set()
+    thread.join(5 * warm_up.DEFERRED_POLL_S)
+    assert later.state == "its weight" and kernel_state.deferred == [] and not thread.is_alive()

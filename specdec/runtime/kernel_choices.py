@@ -252,7 +252,8 @@ def prepare_deferred(run: Callable[[Callable[[], None]], None], kernel_state: Ke
     done = 0
     while pending:
         run(pending[0].prepare)
-        pending.pop(0)   # after it is made: `pending` counts what batches still wait for (Info)
+        if pending:          # (unless cleared meanwhile)
+            pending.pop(0)   # after it is made: `pending` counts what batches still wait for (Info)
         done += 1
     return done
 

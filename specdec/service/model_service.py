@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from contextlib import contextmanager
@@ -318,5 +319,7 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
                  config.max_batch_rows, config.prefill_chunk,
                  f"on ({prefix.block_tokens}-token blocks, within the pool)" if prefix else "off")
     running.set_serving(True)
-    prepare_deferred_kernels(service_name)
+    stopped, on_stop = threading.Event(), running.on_stop
+    prepare_deferred_kernels(service_name, stopped)
+    running.on_stop = lambda: (stopped.set(), on_stop and on_stop())
     return running

@@ -162,24 +162,6 @@ def forget_prepared(loaded: LoadedModel) -> None:
     kernel_choices.state().deferred.clear()
 
 
-def prepare_deferred_kernels(service_name: str) -> threading.Thread | None:
-    """After SERVING: make the kernels' weights restored choices name for batches of several
-    sessions only (kernel_choices.Deferred), one layer at a time on the torch thread, so
-    requests' forwards go between them; until each is made its layer runs its own kernel."""
-    if not kernel_choices.state().deferred:
-        return None
-    kernel_state = kernel_choices.state()
-
-    def prepare() -> None:
-        started = time.perf_counter()
-        layers = kernel_choices.prepare_deferred(torch_thread.run, kernel_state)
-        log.info("%s: kernels for batches of several sessions made for %d layers while serving (%.1f s)",
-                 service_name, layers, time.perf_counter() - started)
-    thread = threading.Thread(target=prepare, name="deferred-kernels", daemon=True)
-    thread.start()
-    return thread
-
-
 def keep_dense_weights(loaded: LoadedModel, service_name: str) -> int:
     """--prefill-weights dense: the quantized layers hold their dense weight (bf16 or fp32,
     dense_rows.matmul_dtype) for calls of many rows."""
@@ -193,3 +175,27 @@ def keep_dense_weights(loaded: LoadedModel, service_name: str) -> int:
                  "them, and prefills unpack each layer per call)", service_name, held / 1e9,
                  time.perf_counter() - started)
     return held
+
+
+DEFERRED_POLL_S = 1.0   # how often a serving model service looks for kernels left to make
+
+
+def prepare_deferred_kernels(service_name: str, stopped: threading.Event) -> threading.Thread:
+    """While serving (until `stopped`): make the kernels' weights that restored choices name
+    for batches of several sessions only (kernel_choices.Deferred), one layer at a time on
+    the torch thread, so requests' forwards go between them; until each is made its layer
+    runs its own kernel. Most are deferred at warm-up; a layer first called by a request
+    defers its own then, and is made within DEFERRED_POLL_S."""
+    kernel_state = kernel_choices.state()
+
+    def prepare() -> None:
+        while not stopped.is_set():
+            if kernel_state.deferred:
+                started = time.perf_counter()
+                layers = kernel_choices.prepare_deferred(torch_thread.run, kernel_state)
+                log.info("%s: kernels for batches of several sessions made for %d layers while serving (%.1f s)",
+                         service_name, layers, time.perf_counter() - started)
+            stopped.wait(DEFERRED_POLL_S)
+    thread = threading.Thread(target=prepare, name="deferred-kernels", daemon=True)
+    thread.start()
+    return thread
