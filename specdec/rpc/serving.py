@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import grpc
@@ -68,6 +68,7 @@ class RunningServer:
     on_stop: Callable[[], None] | None = None  # after the server has stopped (a model service: drop its sessions)
     # Told of every change of the serving status (the coordinator's HTTP front, which has no gRPC health).
     on_serving: Callable[[bool], None] | None = None
+    stopped: threading.Event = field(default_factory=threading.Event)   # set once `stop` has begun: its helpers end
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -77,6 +78,7 @@ class RunningServer:
             self.on_serving(serving)
 
     def stop(self, grace_s: float = 5.0) -> None:
+        self.stopped.set()
         self.set_serving(False)
         self.server.stop(grace_s).wait()
         if self.health_server is not None:

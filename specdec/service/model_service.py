@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from contextlib import contextmanager
@@ -319,7 +318,5 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
                  config.max_batch_rows, config.prefill_chunk,
                  f"on ({prefix.block_tokens}-token blocks, within the pool)" if prefix else "off")
     running.set_serving(True)
-    stopped, on_stop = threading.Event(), running.on_stop
-    prepare_deferred_kernels(service_name, stopped)
-    running.on_stop = lambda: (stopped.set(), on_stop and on_stop())
+    prepare_deferred_kernels(service_name, running.stopped)
     return running
