@@ -129,18 +129,16 @@ class SpeculativeEngine:
         g.stats.prefix_cached_tokens = self.verifier.start_session(
             g.session_id, g.request.prompt_ids, g.timeout(), g.request.cache_salt)
         self.metrics.observe_prefix("target", len(g.request.prompt_ids), g.stats.prefix_cached_tokens)
+        # The session caches all but the prompt's last token; the forward over it is the
+        # rest of the prefill, and its token is the first (not a round), speculating or not.
+        first = self._observe_load(self.verifier.decode(g.session_id, 1, g.request.sampling,
+                                                        g.timeout(), g.request.logprobs))
+        g.stats.prefill_ms = (time.perf_counter() - started) * 1e3
+        yield first.token_ids, first.logprobs
         if g.proposer is not None:
-            # The session caches all but the prompt's last token; the forward over it is
-            # the rest of the prefill, and its token is the first (not a round).
-            first = self._observe_load(self.verifier.decode(g.session_id, 1, g.request.sampling,
-                                                            g.timeout(), g.request.logprobs))
-            g.stats.prefill_ms = (time.perf_counter() - started) * 1e3
-            yield first.token_ids, first.logprobs
             g.context = [*g.request.prompt_ids, *first.token_ids]
             # 2-3. Whether the model drafts at all, and the proposer's prefill.
             self._start_proposer(g)
-        else:
-            g.stats.prefill_ms = (time.perf_counter() - started) * 1e3
         # 4. Speculative rounds, or target-only ones where nothing is left to draft with.
         yield from (self._speculative_rounds(g) if g.proposer is not None else self._target_only_rounds(g))
 
@@ -314,12 +312,10 @@ class SpeculativeEngine:
             controller.observe(record)
 
     def _target_only_rounds(self, g: "Generation") -> Iterator[Emitted]:
-        # The first token alone, so it streams as soon as it is decided; then chunks.
-        chunk = 1 if not g.output.token_ids else DECODE_CHUNK
+        # After the first token (streamed alone, as soon as it is decided): chunks.
         while True:
-            decoded = self._decode(g, min(chunk, g.request.max_new_tokens - len(g.output.token_ids)))
+            decoded = self._decode(g, min(DECODE_CHUNK, g.request.max_new_tokens - len(g.output.token_ids)))
             yield decoded.token_ids, decoded.logprobs
-            chunk = DECODE_CHUNK
 
     def _decode(self, g: "Generation", num_tokens: int) -> Decoded:
         started = time.perf_counter()

@@ -82,6 +82,10 @@ def test_stats_agree_with_the_tokens_and_the_time_the_client_saw(stack):
     assert 0 < s.prefill_ms and parts <= s.total_ms + 0.05 <= wall_ms + 0.05
     assert s.overhead_ms >= -0.05 and s.tokens_per_second >= 30 / (wall_ms / 1e3) * 0.999
     assert s.prompt_tokens > 0
+    # Target-only reads the same way: the prefill (with its first token) apart, then its
+    # Decode calls (16 tokens each) as rounds: 1 + 16 + 13 tokens.
+    t = generate(stack.coordinator_stub, PROMPTS[0], speculate=False, max_new_tokens=30).stats
+    assert t.rounds == 2 and t.prefill_ms <= t.first_token_ms and t.prefill_ms + t.verify_ms <= t.total_ms + 0.05
 
 
 def test_seeded_sampling_is_reproducible(stack):
