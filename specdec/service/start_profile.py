@@ -13,8 +13,8 @@ A loaded profile is checked before it is trusted: a decode step is timed now (th
 least of up to CHECK_TRIES tries) and must be within CHECK_TOLERANCE of the saved
 curve's first point (a VM resized under the same CPU model, another tenant on the
 cores). Where it is not, the service times everything again, as on a first start,
-and saves the new profile. Once serving, the
-live curve refreshes the cost curve from real forwards, as after any start.
+and saves the new profile. Once serving, the live curve refreshes the cost curve
+from real forwards, as after any start.
 The files are JSON under $SPECDEC_HOME/starts/, written atomically by the services.
 """
 from __future__ import annotations
