@@ -344,7 +344,10 @@ class Stack:
         deadline, said = time.monotonic() + timeout_s, False
         while True:
             pending = {name: self.info(name).kernels_pending for name in ("drafter", "verifier")}
-            if not any(pending.values()) or time.monotonic() > deadline:
+            if not any(pending.values()):
+                return
+            if time.monotonic() > deadline:
+                say(f"measuring with kernels still pending after {timeout_s:.0f} s ({pending})")
                 return
             if not said:
                 say("waiting for the model services' kernels for batches of several sessions ("
