@@ -157,6 +157,14 @@ def model_draft_tokens(stats) -> int:
 
 
 @pytest.fixture
+def registry(monkeypatch, kernel_state):
+    """specdec.runtime.kernels with no backend registered: a test registers its own."""
+    from specdec.runtime import kernels
+    monkeypatch.setattr(kernels, "BACKENDS", [])
+    return kernels
+
+
+@pytest.fixture
 def kernel_state():
     """A kernel state of the test's own (kernel_choices.KernelState): the choices it
     makes or pins, and the checks that fail in it, end with the test."""
