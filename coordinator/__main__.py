@@ -6,7 +6,7 @@ import logging
 import sys
 
 from specdec.rpc import telemetry
-from specdec.rpc.flags import server_tls, setup_logging, start_health
+from specdec.rpc.flags import config_from, server_tls, setup_logging, start_health
 from specdec.rpc.errors import SpecdecError
 from specdec.rpc.security import ClientTls, load_token
 from specdec.rpc.serving import catch_stop_signals, run_until_signal
@@ -24,24 +24,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
+    """The flags named as CoordinatorConfig's fields go over as they are; these are built."""
+    return config_from(
+        CoordinatorConfig, args, connect_timeout_s=args.connect_timeout, tls=server_tls(args),
+        drafter_timeout_s=args.drafter_timeout, watch=watch_settings(args.session_lease),
+        draft_truncation=Truncation(args.draft_top_k, args.draft_top_p),
+        share_prefix_cache=args.share_prefix_cache == "on",
+        auth_token=load_token(args.auth_token_env, args.auth_token_file),
+        backend_tls=ClientTls.from_args(args.backend_tls_ca, args.backend_tls_cert, args.backend_tls_key),
+        backend_auth_token=load_token(args.backend_auth_token_env, args.backend_auth_token_file))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     setup_logging("coordinator")
     telemetry.configure("coordinator", args.trace_file)
     log = logging.getLogger("coordinator")
     try:
-        config = CoordinatorConfig(
-            drafter=args.drafter, verifier=args.verifier, proposer=args.proposer, gamma=args.gamma,
-            gamma_max=args.gamma_max, metrics_port=args.metrics_port, http_port=args.http_port,
-            max_new_tokens=args.max_new_tokens,
-            connect_timeout_s=args.connect_timeout, max_sessions=args.max_sessions,
-            max_message_bytes=args.max_message_bytes, log_prompts=args.log_prompts, tls=server_tls(args),
-            drafter_timeout_s=args.drafter_timeout, watch=watch_settings(args.session_lease),
-            draft_truncation=Truncation(args.draft_top_k, args.draft_top_p),
-            lookup_history_tokens=args.lookup_history_tokens, share_prefix_cache=args.share_prefix_cache == "on",
-            auth_token=load_token(args.auth_token_env, args.auth_token_file),
-            backend_tls=ClientTls.from_args(args.backend_tls_ca, args.backend_tls_cert, args.backend_tls_key),
-            backend_auth_token=load_token(args.backend_auth_token_env, args.backend_auth_token_file))
+        config = coordinator_config(args)
         stopping = catch_stop_signals()
         running, backends = serve(config, host=args.host, port=args.port)
         start_health(running, args)

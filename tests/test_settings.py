@@ -4,6 +4,7 @@ coordinator flag `specdec up` takes reaches the coordinator as given."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -116,3 +117,41 @@ def test_the_charts_schema_offers_the_quantizations_the_model_services_have():
                         .read_text())
     for component in ("verifier", "drafter"):
         assert set(schema["properties"][component]["properties"]["quantize"]["enum"]) == set(QUANTIZE), component
+
+
+def other_value(setting) -> list[str]:
+    """The flag with a value other than its default, as typed on a command line."""
+    options = setting.options
+    if options.get("action") == "store_true":
+        return [setting.flag]
+    if "choices" in options:
+        return [setting.flag, next(c for c in options["choices"] if c != options.get("default"))]
+    kind = options.get("type")
+    value = {int: "7", float: "2.5", None: "elsewhere:1"}.get(kind, {"--gamma": "3", "--cost-curve": "10,11:0.5"}
+                                                           .get(setting.flag))
+    return [setting.flag, value]
+
+
+@pytest.mark.parametrize("service", ["coordinator", *SERVICES])
+def test_a_setting_named_as_its_configs_field_reaches_the_config_with_no_line_to_hand_it_over(service):
+    """`flags.config_from`: a new setting is its `Setting` and its config field; each
+    one given a value off its default on the command line arrives in the config."""
+    from coordinator.__main__ import coordinator_config
+    from coordinator.service import CoordinatorConfig
+    from specdec.service.cli_common import serve_config
+    from specdec.service.model_service import ServeConfig
+    config_class, build = ((CoordinatorConfig, coordinator_config) if service == "coordinator"
+                           else (ServeConfig, serve_config))
+    table = SETTINGS if service == "coordinator" else service_settings(service)
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    named = [s for s in table if s.dest in fields]
+    assert len(named) >= 8   # most of the table goes over by name
+    required = ["--verifier", "v:1"] if service == "coordinator" else ["--model", "m"]
+    default = build(strict(PARSERS[service]).parse_args(required))
+    for setting in named:
+        argv = other_value(setting) + (required if setting.flag != required[0] else [])
+        args = strict(PARSERS[service]).parse_args(argv)
+        given, arrived = getattr(args, setting.dest), getattr(build(args), setting.dest)
+        assert arrived != getattr(default, setting.dest), setting.flag
+        if type(given) is type(arrived):   # else converted on the way ("on" -> True)
+            assert arrived == given, setting.flag

@@ -55,6 +55,16 @@ def shared(flag: str, **marks) -> Setting:
     return dataclasses.replace(SHARED[flag], shared=True, **marks)
 
 
+def config_from(config_class: type, args: argparse.Namespace, **built):
+    """A service's config dataclass from its parsed command line: each field named
+    as a flag's dest takes that flag's value, so a new setting is its `Setting`
+    and its field (and, for the chart, its default in values.yaml), with no line
+    here to hand it over. `built`: the fields made from several flags, or
+    converted on the way (TLS, tokens, "on"/"off" switches)."""
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    return config_class(**{**{k: v for k, v in vars(args).items() if k in fields}, **built})
+
+
 def add_settings(parser: argparse.ArgumentParser, settings: Sequence[Setting],
                  groups: dict[str, str] | None = None) -> None:
     """A service's command line from its table, SHARED's flags included once."""

@@ -8,13 +8,19 @@ from typing import Callable
 
 from specdec.rpc import telemetry
 from specdec.rpc.errors import SpecdecError
-from specdec.rpc.flags import server_tls, setup_logging, start_health
+from specdec.rpc.flags import config_from, server_tls, setup_logging, start_health
 from specdec.rpc.security import load_token
 from specdec.rpc.serving import RunningServer, catch_stop_signals, run_until_signal
 from specdec.runtime import torch_thread
 from specdec.runtime.models import LoadedModel, load_model
 from specdec.service.model_service import ServeConfig
 from specdec.service.settings import own_options
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The flags named as ServeConfig's fields go over as they are; these are built."""
+    return config_from(ServeConfig, args, tls=server_tls(args), auth_token=load_token(args.auth_token_env,
+                       args.auth_token_file), session_ttl_s=args.session_ttl, start_profile_setting=args.start_profile)
 
 
 def run_model_service(name: str, args: argparse.Namespace,
@@ -25,19 +31,11 @@ def run_model_service(name: str, args: argparse.Namespace,
         torch_thread.set_threads(args.threads)
     telemetry.configure(name, args.trace_file)
     try:
-        tls = server_tls(args)
-        token = load_token(args.auth_token_env, args.auth_token_file)
+        config = serve_config(args)   # a bad TLS file or token fails before the model loads
         loaded: LoadedModel = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
                                         head_vocab=args.head_vocab, forward=args.forward,
                                         random_weights=args.random_weights)
         stopping = catch_stop_signals()
-        config = ServeConfig(host=args.host, port=args.port, session_ttl_s=args.session_ttl,
-                             max_sessions=args.max_sessions, tls=tls, uds=args.uds, auth_token=token,
-                             cost_curve_rows=args.cost_curve_rows, cost_curve=args.cost_curve,
-                             kv_cache_mb=args.kv_cache_mb, prefill_chunk=args.prefill_chunk,
-                             max_batch_rows=args.max_batch_rows, prefill_weights=args.prefill_weights,
-                             prefix_cache=args.prefix_cache, kernel_rows=args.kernel_rows,
-                             batch_invariant=args.batch_invariant, start_profile_setting=args.start_profile)
         running = serve(loaded, config=config, **own_options(args, name))
         start_health(running, args)
     except (SpecdecError, ValueError, OSError) as exc:
