@@ -4,6 +4,7 @@ frequency and presence penalties (greedy equality and the exact distribution).""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 
 import torch
 
@@ -31,26 +32,32 @@ def test_a_round_mixing_a_lookup_token_and_a_model_token_under_a_repetition_pena
         p1 = probs_after(prompt_ids)
         lookup = int(p1.argmax())            # the lookup proposes the target's favourite: often kept
         p2 = probs_after(prompt_ids + [lookup])
-    first, second, runs = collections.Counter(), collections.Counter(), 1500
-    for seed in range(runs):
+    def one(seed: int) -> tuple[list[int], int]:
         session = f"mixed-{seed}"
         start = common_pb2.StartSessionRequest(session_id=session, prompt_token_ids=prompt_ids)
         stack.drafter_stub.StartSession(start, timeout=10)
         stack.verifier_stub.StartSession(start, timeout=10)
-        params.seed = seed
+        seeded = common_pb2.SamplingParams()
+        seeded.CopyFrom(params)
+        seeded.seed = seed
         proposal = stack.drafter_stub.Propose(drafter_pb2.ProposeRequest(
-            session_id=session, num_tokens=1, sampling=params, draft_prefix_ids=[lookup], truncation_top_k=64),
+            session_id=session, num_tokens=1, sampling=seeded, draft_prefix_ids=[lookup], truncation_top_k=64),
             timeout=10)
         assert len(proposal.draft_token_ids) == 1 and proposal.draft_probs[0].token_ids  # sparse
         verdict = stack.verifier_stub.Verify(verifier_pb2.VerifyRequest(
-            session_id=session, draft_token_ids=[lookup, *proposal.draft_token_ids], sampling=params,
+            session_id=session, draft_token_ids=[lookup, *proposal.draft_token_ids], sampling=seeded,
             draft_probs=[common_pb2.DraftProbs(), *proposal.draft_probs]), timeout=10)
         for stub in (stack.drafter_stub, stack.verifier_stub):
             stub.EndSession(common_pb2.EndSessionRequest(session_id=session), timeout=10)
-        out = [lookup, *proposal.draft_token_ids][: verdict.num_accepted] + [verdict.next_token_id]
-        first[out[0]] += 1
-        if verdict.num_accepted >= 1:
-            second[out[1]] += 1
+        return [lookup, *proposal.draft_token_ids][: verdict.num_accepted] + [verdict.next_token_id], \
+            verdict.num_accepted
+
+    first, second, runs = collections.Counter(), collections.Counter(), 1500
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:   # independent sessions: the services batch them
+        for out, accepted in pool.map(one, range(runs)):
+            first[out[0]] += 1
+            if accepted >= 1:
+                second[out[1]] += 1
     n2 = sum(second.values())
     assert 0.2 * runs < n2 < runs  # the lookup's token was kept, and rejected, often
     as_dict = lambda p: {i: float(v) for i, v in enumerate(p.tolist()) if v > 0}  # noqa: E731
@@ -78,9 +85,11 @@ def test_frequency_and_presence_penalties_stay_lossless(stack, tiny_target):
     plain_p1, plain_joint = exact_first_two_token_distribution(tiny_target, prompt_ids, SAMPLING)
     assert p1 == plain_p1 and joint != plain_joint   # only the second token is moved
     first, pairs, runs = collections.Counter(), collections.Counter(), 1500
-    for seed in range(runs):
-        r = generate(stack.coordinator_stub, prompt, speculate=True, gamma=3, max_new_tokens=3, temperature=0.8,
-                     top_k=40, seed=seed, **penalties)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda seed: generate(stack.coordinator_stub, prompt, speculate=True, gamma=3,
+                                                        max_new_tokens=3, temperature=0.8, top_k=40, seed=seed,
+                                                        **penalties), range(runs)))
+    for r in responses:
         x1, pair = observed_outcome(r)
         first[x1] += 1
         pairs[pair] += 1

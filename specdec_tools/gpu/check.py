@@ -41,7 +41,7 @@ from specdec_tools.gpu import report, shapes
 SEED = 1
 ACCEPTANCES = (0.6, 0.8, 0.9)
 CHI_RUNS = 2000
-QUICK_CHI_RUNS = 500  # --quick: the suite runs the 2,000-run test itself (test_end_to_end)
+QUICK_CHI_RUNS = 200  # --quick: the suite runs the 2,000-run test itself (test_end_to_end)
 CHI_RESERVE_S = 45.0  # the chi-square's share at the end of the budget
 
 
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--quick", action="store_true",
-                        help="the suite's: one acceptance, one prompt, 12 tokens, 500 sampled runs")
+                        help="the suite's: one acceptance, one prompt, 12 tokens, 200 sampled runs")
     parser.add_argument("--payload", type=pathlib.Path, default=pathlib.Path(".gpu"))
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(os.environ.get("OUT") or "gpu_check_out"))
     parser.add_argument("--budget-s", type=float, default=420.0, help="the whole check's time (default 7 minutes)")
