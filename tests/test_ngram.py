@@ -57,6 +57,35 @@ def test_greedy_ngram_speculation_equals_target_only(stack, ngram_stub):
     assert_greedy_equal(stack.coordinator_stub, ngram_stub, PROMPTS, gamma=4, max_new_tokens=60)
 
 
+
+
+
+# Penalties that favour what the output already holds: the tiny model's text then repeats, and
+# lookups (which find their drafts in it) are kept often enough to test both verdicts.
+REPEATING = dict(frequency_penalty=-2.0, presence_penalty=-2.0)
+
+
+def test_a_seeded_sample_drafted_by_lookups_is_target_onlys_token_for_token(stack, ngram_stub):
+    """Lookups are one-hot proposals: the rejection sampler keeps one where the
+    target's own sample at its position, from the uniform target-only decoding
+    draws there, is that token (rejection.py). So a seeded request gets the same
+    tokens whether lookups drafted it or not, not just the same distribution."""
+    kept = rejected = 0
+    for prompt in PROMPTS:
+        for seed in (5, 6):
+            speculative = generate(ngram_stub, prompt, speculate=True, temperature=0.8, seed=seed, max_new_tokens=40,
+                                   **REPEATING)
+            plain = generate(stack.coordinator_stub, prompt, speculate=False, temperature=0.8, seed=seed,
+                             max_new_tokens=40, **REPEATING)
+            assert list(speculative.token_ids) == list(plain.token_ids), (prompt, seed)
+            kept += speculative.stats.accepted_tokens
+            rejected += speculative.stats.draft_tokens - speculative.stats.accepted_tokens
+    assert kept > 10 and rejected > 10   # both verdicts were reached, many times
+    other = generate(stack.coordinator_stub, PROMPTS[0], speculate=False, temperature=1.0, seed=7, max_new_tokens=40)
+    assert list(other.token_ids) != list(generate(stack.coordinator_stub, PROMPTS[0], speculate=False,
+                                                  temperature=1.0, seed=5, max_new_tokens=40).token_ids)
+
+
 def test_sampled_ngram_speculation_is_seeded_and_sends_no_probabilities(ngram_stub):
     a = generate(ngram_stub, PROMPTS[0], speculate=True, temperature=0.7, seed=5, max_new_tokens=30)
     b = generate(ngram_stub, PROMPTS[0], speculate=True, temperature=0.7, seed=5, max_new_tokens=30)

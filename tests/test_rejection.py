@@ -8,7 +8,7 @@ from scipy import stats
 
 from specdec.spec.rejection import greedy_accept, rejection_sample
 from specdec.spec.sampling import SamplingConfig
-from specdec.spec.transform import sample_from, scores_to_probs, transform_logits
+from specdec.spec.transform import sample_at, sample_from, scores_to_probs, transform_logits
 from specdec.spec.wire import ONE_HOT, DraftProbs, Truncation
 from specdec.spec.draft_probs import dense_for_wire, draft_probs_tensor, sparse_probs, truncate_for_wire
 
@@ -320,3 +320,22 @@ def test_synthetic_acceptance_keeps_each_draft_at_its_rate(acceptance):
     assert synthetic_num_accepted(0, acceptance, generator) == 0
     with pytest.raises(AssertionError):
         synthetic_num_accepted(gamma, 0.0, generator)
+
+
+def test_a_lookup_is_kept_where_the_targets_own_sample_at_its_position_is_it_and_is_that_sample_if_not():
+    """With the same uniforms, the sampler's output is what target-only sampling
+    draws at each position (`sample_at` on the first uniform) for as long as the
+    free drafts agree with it: the verdict and the recovered or bonus token alike."""
+    generator = torch.Generator().manual_seed(3)
+    V, gamma = 50, 4
+    for trial in range(200):
+        target = torch.softmax(torch.randn(gamma + 1, V, generator=generator) * 2, dim=-1)
+        uniforms = torch.rand(gamma + 1, 2, generator=generator, dtype=torch.float64)
+        own = sample_at(target, uniforms[:, 0])                     # target-only's tokens, position by position
+        agree = trial % (gamma + 1)                                 # the drafts match this many, then differ
+        drafts = own[:gamma].clone()
+        if agree < gamma:
+            drafts[agree] = (own[agree] + 1 + trial % (V - 1)) % V  # any other token
+        out = rejection_sample(drafts, torch.zeros(0, V), target, uniforms)
+        assert out.num_accepted == agree and out.next_token_id == int(own[agree]), trial
+        assert out.bonus == (agree == gamma)

@@ -3,6 +3,7 @@ rejection sampler, roll the KV cache back to what was accepted."""
 from __future__ import annotations
 
 import dataclasses
+import secrets
 
 import torch
 
@@ -12,8 +13,8 @@ from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.models import LoadedModel
 from specdec.spec.types import RejectionOutput
 from specdec.spec.rejection import greedy_accept, rejection_sample, synthetic_num_accepted
-from specdec.spec.sampling import SamplingConfig
-from specdec.spec.transform import make_generator, sample_from, scores_to_probs, token_logprobs, transform_logits
+from specdec.spec.sampling import SamplingConfig, position_uniforms
+from specdec.spec.transform import make_generator, sample_at, scores_to_probs, token_logprobs, transform_logits
 
 
 class TargetSession:
@@ -23,6 +24,11 @@ class TargetSession:
         self.seq = SequenceCache(loaded, prompt_ids, pool)
         if prefill:  # else the caller runs seq.prefill_steps() (a service, through its scheduler)
             self.seq.prefill()
+        # Sampling draws each position's token from uniforms keyed by the request's seed
+        # and the position (sampling.position_uniforms): no state a round moves, so a
+        # failed call leaves none behind. The benchmark's synthetic verdicts draw from
+        # a generator.
+        self.seed: int | None = None
         self.generator: torch.Generator | None = None
 
     def snapshot(self) -> tuple:
@@ -41,6 +47,13 @@ class TargetSession:
         if self.generator is None:
             self.generator = make_generator(sampling, "verifier", self.loaded.device)
         return self.generator
+
+    def _uniforms(self, sampling: SamplingConfig, start: int, count: int) -> torch.Tensor:
+        """[count, 2] float64: the uniforms of positions start.. (the request's seed, or
+        one drawn for the session when it has none)."""
+        if self.seed is None:
+            self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(64)
+        return torch.tensor([position_uniforms(self.seed, start + i) for i in range(count)], dtype=torch.float64)
 
     def _check_room(self, new_tokens: int) -> None:
         if len(self.seq) + new_tokens > self.loaded.max_context:
@@ -70,16 +83,16 @@ class TargetSession:
         # 3. Accept / reject.
         if synthetic_acceptance:
             accepted = synthetic_num_accepted(gamma, synthetic_acceptance, self._generator(sampling))
-            row = scores[accepted]
-            token = int(row.argmax()) if sampling.greedy else sample_from(scores_to_probs(row[None])[0],
-                                                                          self._generator(sampling))
+            row = scores[accepted:accepted + 1]
+            token = int(row.argmax()) if sampling.greedy else int(sample_at(
+                scores_to_probs(row), self._uniforms(sampling, base + accepted, 1)[:, 0])[0])
             out = RejectionOutput(accepted, token, bonus=accepted == gamma)
         elif sampling.greedy:
             out = greedy_accept(draft, scores.argmax(dim=-1))
         else:
             assert draft_probs is not None
             out = rejection_sample(draft, draft_probs.to(scores.device), scores_to_probs(scores),
-                                   self._generator(sampling))
+                                   self._uniforms(sampling, base, gamma + 1))
         if logprobs is not None:   # rows 0..accepted drew the output tokens: no forward more
             out = dataclasses.replace(out, logprobs=tuple(token_logprobs(
                 scores[:out.num_accepted + 1], out.output_token_ids(draft_token_ids), logprobs)))
@@ -103,7 +116,7 @@ class TargetSession:
             if sampling.greedy:
                 token = int(scores[0].argmax())
             else:
-                token = sample_from(scores_to_probs(scores)[0], self._generator(sampling))
+                token = int(sample_at(scores_to_probs(scores), self._uniforms(sampling, len(self.seq), 1)[:, 0])[0])
             if logprobs is not None:
                 logprobs_out.extend(token_logprobs(scores, [token], logprobs))
             self.seq.append([token])

@@ -9,7 +9,12 @@ The tokens that come out are distributed exactly as the target's own samples.
 
 A free source's draft (a lookup's) is deterministic: its proposal is one-hot, so
 it is accepted with probability target_probs[i, x] and its residual is the target
-row without x. Such tokens lead the draft and carry no draft_probs row.
+row without x. Such tokens lead the draft and carry no draft_probs row. The
+sampler draws both at once: the target's own sample at that position, from the
+uniform target-only decoding draws there (sampling.position_uniforms), is the
+token kept if it is the draft's, and the recovered token if not. So a seeded
+request whose drafts are all lookups gets target-only's tokens, not just their
+distribution.
 """
 from __future__ import annotations
 
@@ -17,48 +22,51 @@ from __future__ import annotations
 import torch
 
 from specdec.spec.types import RejectionOutput
-from specdec.spec.transform import sample_from
+from specdec.spec.transform import sample_at
 
 
 def rejection_sample(
     draft_token_ids: torch.Tensor,  # [gamma] long
     draft_probs: torch.Tensor,      # [gamma - free, V] the distributions the last drafts were sampled from
     target_probs: torch.Tensor,     # [gamma + 1, V] row i scores draft position i; the last row the bonus
-    generator: torch.Generator,
+    uniforms: torch.Tensor | torch.Generator,   # [gamma + 1, 2] float64: each position's pair; or a generator
 ) -> RejectionOutput:
-    """The first `free = gamma - len(draft_probs)` drafts are a free source's (one-hot)."""
+    """The first `free = gamma - len(draft_probs)` drafts are a free source's (one-hot).
+    Position i decides with uniforms[i, 0] and draws a model draft's recovered token
+    with uniforms[i, 1]; the bonus token is drawn with uniforms[gamma, 0]."""
     gamma = draft_token_ids.shape[0]
     free = gamma - draft_probs.shape[0]
     assert draft_token_ids.dim() == 1, draft_token_ids.shape
     assert 0 <= free and draft_probs.shape[-1] == target_probs.shape[-1], (draft_probs.shape, target_probs.shape)
     assert target_probs.shape[0] == gamma + 1, (target_probs.shape, gamma)
+    if isinstance(uniforms, torch.Generator):   # drawn where the generator lives, then moved
+        uniforms = torch.rand(gamma + 1, 2, generator=uniforms, device=uniforms.device, dtype=torch.float64)
+    uniforms = uniforms.to(target_probs.device)
+    assert uniforms.shape == (gamma + 1, 2), uniforms.shape
 
-    # One uniform per position, drawn up front: the stream of draws (and so a
-    # seeded result) does not depend on where the first rejection falls.
-    # (On the generator's device, which draws only there; then the probabilities'.)
-    uniforms = torch.rand(gamma, generator=generator, device=generator.device).to(target_probs.device)
-    positions = torch.arange(gamma, device=target_probs.device)
-    target_at_draft = target_probs[positions, draft_token_ids]   # [gamma]
-    draft_at_draft = torch.ones(gamma, device=target_probs.device, dtype=target_probs.dtype)
-    draft_at_draft[free:] = draft_probs[positions[free:] - free, draft_token_ids[free:]]  # [gamma]
-    # u < p/q  <=>  u * q < p  (no division; q > 0 for any token the drafter could sample)
-    accepted = uniforms * draft_at_draft < target_at_draft         # [gamma] bool
+    # 1. Free drafts: the target's own sample at the position, kept where it is the draft.
+    samples = sample_at(target_probs[:free], uniforms[:free, 0]) if free else draft_token_ids[:0]   # [free]
+    # 2. Model drafts: x kept where u < p(x) / q(x), i.e. u * q < p (q > 0 for any token
+    #    the drafter could sample).
+    model = torch.arange(free, gamma, device=target_probs.device)
+    ids = draft_token_ids[free:]
+    kept = uniforms[free:gamma, 0] * draft_probs[model - free, ids].double() < target_probs[model, ids].double()
+    accepted = torch.cat([samples == draft_token_ids[:free], kept])               # [gamma] bool
     rejected = (~accepted).nonzero()
     num_accepted = int(rejected[0]) if rejected.numel() else gamma
 
-    if num_accepted < gamma:
-        if num_accepted < free:  # the residual of a one-hot proposal: the target without its token
-            residual = target_probs[num_accepted].clone()
-            residual[draft_token_ids[num_accepted]] = 0
-        else:
-            residual = (target_probs[num_accepted] - draft_probs[num_accepted - free]).clamp_min(0)
-        total = residual.sum()
+    # 3. The recovered token at the first rejection, or the bonus token after all.
+    if num_accepted < free:
+        next_token = int(samples[num_accepted])
+    elif num_accepted < gamma:
+        residual = (target_probs[num_accepted] - draft_probs[num_accepted - free]).clamp_min(0)
         # A rejection needs p(x) < q(x) somewhere, so p - q has positive mass; the
         # guard only covers float round-off when p and q are (almost) equal.
-        next_token = sample_from(residual / total if total > 0 else target_probs[num_accepted], generator)
+        row = residual if residual.sum() > 0 else target_probs[num_accepted]
+        next_token = int(sample_at(row[None], uniforms[num_accepted, 1:])[0])
     else:
-        next_token = sample_from(target_probs[gamma], generator)
-    return RejectionOutput(num_accepted, int(next_token), bonus=num_accepted == gamma)
+        next_token = int(sample_at(target_probs[gamma:], uniforms[gamma, :1])[0])
+    return RejectionOutput(num_accepted, next_token, bonus=num_accepted == gamma)
 
 
 def greedy_accept(

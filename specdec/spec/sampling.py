@@ -80,3 +80,15 @@ def generator_seed(seed: int, role: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+def position_uniforms(seed: int, position: int) -> tuple[float, float]:
+    """The verifier's two uniforms in [0, 1) for the token at `position` (its index
+    in the session's sequence, prompt included) of a request whose seed is `seed`:
+    a hash of both, so they do not depend on how the request's tokens were split
+    into rounds. Target-only decoding draws a position's token from the first; a
+    speculative round draws a lookup token's verdict from the same one (the
+    rejection sampler), so a seeded request whose drafts are all lookups samples
+    target-only's tokens exactly. The second draws a rejected model draft's
+    recovered token. 53 bits each: a float64's mantissa."""
+    digest = hashlib.blake2b(f"specdec:verifier:{seed}:{position}".encode(), digest_size=16).digest()
+    return (int.from_bytes(digest[:8], "little") >> 11) / 2.0 ** 53, \
+        (int.from_bytes(digest[8:], "little") >> 11) / 2.0 ** 53
