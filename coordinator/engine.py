@@ -58,6 +58,7 @@ class GenerationRequest:
     cache_salt: bytes = b""         # the prefix caches reuse only blocks kept under the same salt
     logprobs: int | None = None     # each output token's TokenLogprob, with this many top tokens (None: not asked)
     sources: tuple[str, ...] = ()   # the draft sources by name, overriding `proposer`
+    free_only: bool = False         # its free sources draft, never the model (a seeded sample: requests.py)
 
 
 @dataclass
@@ -151,6 +152,8 @@ class SpeculativeEngine:
             budget = Exploration.for_request(state.cost, request.max_new_tokens - 1, g.stats.probes)
             g.controller = GammaController(request.gamma_max, state, load=self.load, exploration=budget,
                                            free_sources=tuple(g.proposer.sources))
+            if not g.proposer.drafts_with_model:   # free sources alone: plan no model tokens
+                g.controller.without_model()
         probed = False  # the drafter's prefill was not expected to pay, and is taken as a probe
         if g.controller is not None and g.proposer.drafts_with_model:
             # What is left to prefill: the drafter's prefix cache may hold the prompt's start.

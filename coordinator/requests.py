@@ -146,12 +146,18 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
         raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of up to "
                               f"{MAX_STOP_CHARS} characters")
     enabled = not request.speculation.HasField("enabled") or request.speculation.enabled
-    gamma, adaptive = 0, False  # target-only, asked for or because this coordinator has no proposer
+    gamma, adaptive, free_only = 0, False, False  # target-only, asked for or: this coordinator has no proposer
     if enabled and speculation_available:
         gamma = request.speculation.gamma or limits.default_gamma
         if gamma is None and sampling.seed is not None and not sampling.greedy:
-            # γ chosen from timings would make a seeded sample depend on machine load.
-            gamma = min(limits.seeded_gamma, limits.max_propose_tokens)
+            # Where the model drafts, a seeded sample depends on where it drafted, so a γ
+            # chosen from timings would make it depend on machine load: a fixed γ. Lookups
+            # never move it (rejection.py): where the model cannot pay on the start curves
+            # (seeded_gamma 0), the free sources draft alone, adaptively.
+            if limits.seeded_gamma == 0:
+                free_only = True
+            else:
+                gamma = min(limits.seeded_gamma, limits.max_propose_tokens)
         if gamma is None:
             gamma, adaptive = min(limits.gamma_max, limits.max_propose_tokens), True
         if gamma > limits.max_propose_tokens:
@@ -174,7 +180,7 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
                              confidence_stop, PROPOSER_KINDS[request.speculation.proposer],
                              request.cache_salt.encode("utf-8"),
                              request.top_logprobs if request.logprobs else None,
-                             checked_sources(request.speculation.sources))
+                             checked_sources(request.speculation.sources), free_only)
 
 
 def prefix_salt(request_salt: bytes, caller: str, shared: bool) -> bytes:

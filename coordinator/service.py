@@ -192,6 +192,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 raise FailedPrecondition(f"this coordinator runs without a drafter (--proposer ngram); {asked} "
                                          "needs one: ask for another, or leave it unset")
             return build(sources, None, recent), ""
+        if domain.free_only:   # a seeded sample where the model cannot pay: its free sources alone
+            return build(sources, None, recent), ""
         if not self.backends.drafter_up:
             # Go on without the model until the watcher finds the drafter again.
             self.metrics.fallbacks.inc()

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from specdec.spec.proposers.ngram import MAX_MATCH, NgramIndex, RecentOutputs
-from tests.conftest import coordinator_stub
+from specdec.v1 import common_pb2, coordinator_pb2
+from tests.conftest import coordinator_stub, pinned_services
 from tests.test_end_to_end import PROMPTS, assert_greedy_equal, generate
 
 
@@ -84,6 +85,28 @@ def test_a_seeded_sample_drafted_by_lookups_is_target_onlys_token_for_token(stac
     other = generate(stack.coordinator_stub, PROMPTS[0], speculate=False, temperature=1.0, seed=7, max_new_tokens=40)
     assert list(other.token_ids) != list(generate(stack.coordinator_stub, PROMPTS[0], speculate=False,
                                                   temperature=1.0, seed=5, max_new_tokens=40).token_ids)
+
+
+def test_a_seeded_sample_where_the_model_cannot_pay_drafts_lookups_adaptively_and_is_target_onlys(
+        stack, tiny_draft, tiny_target):
+    """A seeded sampled request keeps a fixed γ where the model drafts (its sample depends
+    on where it drafted), but lookups never move a sample: where the start curves leave
+    the model nothing (a draft step 90% of a target's: the seeded γ is 0), the request's
+    lookups draft adaptively, and its tokens are target-only's. Pinned curves, costs not
+    learned: it decides alike on every machine."""
+    request = lambda prompt, seed: coordinator_pb2.GenerateRequest(  # noqa: E731
+        prompt=prompt, max_new_tokens=40, sampling=common_pb2.SamplingParams(temperature=0.8, seed=seed, **REPEATING))
+    with pinned_services(tiny_draft, tiny_target, draft_ms=[9.0, 9.5]) as addresses, \
+            coordinator_stub(**addresses, learn_costs=False) as auto:
+        drafted = 0
+        for prompt in PROMPTS[:6]:
+            speculative = auto.Generate(request(prompt, 11), timeout=60)
+            plain = generate(stack.coordinator_stub, prompt, speculate=False, temperature=0.8, seed=11,
+                             max_new_tokens=40, **REPEATING)
+            assert list(speculative.token_ids) == list(plain.token_ids), prompt
+            assert {s.source for s in speculative.stats.draft_sources} <= {"ngram"}
+            drafted += speculative.stats.draft_tokens
+        assert drafted > 20
 
 
 def test_sampled_ngram_speculation_is_seeded_and_sends_no_probabilities(ngram_stub):

@@ -62,9 +62,13 @@ class ServiceSystems:
         if mode == TARGET_ONLY:
             request.speculation.enabled = False
         elif mode in (AUTO, AUTO_NOSTOP, AUTO_MODEL):
-            # No gamma: the coordinator's default, auto. A seeded sample would be
-            # served at a fixed gamma (reproducibility), so auto runs unseeded.
-            request.sampling.ClearField("seed")
+            # No gamma: the coordinator's default, auto. spec-auto keeps target-only's seed:
+            # where its drafts are all lookups (the model cannot pay on the start curves)
+            # it then samples target-only's tokens, so a sampled comparison is of time, not
+            # of how long two different samples ran. The model's variants run unseeded: a
+            # seeded sample drafted by the model is served at a fixed γ (reproducibility).
+            if mode != AUTO:
+                request.sampling.ClearField("seed")
             if mode == AUTO_NOSTOP:
                 request.speculation.confidence_stop = False
             if mode == AUTO_MODEL:
