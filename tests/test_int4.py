@@ -199,7 +199,7 @@ def test_a_quantization_is_one_module_and_a_registration():
     QUANTIZATIONS = quantizations()
     assert set(QUANTIZATIONS) == set(METHODS)  # each module registered itself under its name
     from specdec.runtime.quant.int4 import Int4Linear
-    assert set(QUANTIZATIONS) == {"int4", "int8", "q4_0"}
+    assert {"int4", "int8", "q4_0"} <= set(QUANTIZATIONS)   # the built-in ones; a new one needs no line here
     assert QUANTIZATIONS["int4"].needs_gguf and QUANTIZATIONS["int8"].uses_head_vocab
     assert QUANTIZATIONS["int4"].dtype_label("bf16") == "bf16+int4"
     dense = [torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)]
