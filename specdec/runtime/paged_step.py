@@ -1,0 +1,222 @@
+"""One forward step at static shapes over the KV arena: the CUDA path's step,
+written as gpt-fast and vLLM write theirs, and run on the CPU in the tests.
+
+`PagedStep` is the arithmetic alone. It takes a fixed number of rows (a bucket),
+each with its token id, its position and its session's block table, and every
+tensor's shape is set by the bucket and the arena: nothing is read back to the
+host, no Python branch looks at a value, so one CUDA graph a bucket replays it.
+Per layer: norm, q/k/v (one GEMM where the weights are plain Linear), rotary
+from a table, each row's key and value written to its slot in the arena,
+attention over the row's pages gathered (SDPA under a mask of the row's
+positions: a verification's rows see each other's keys, written before), o,
+gate/up (one GEMM), down. Padding rows (id 0, position 0, a table of the
+scratch page) write only the scratch page and read only it: real rows get the
+same logits whatever padding shares their step.
+
+`PagedRunner` is the host's side: persistent input buffers per bucket at fixed
+addresses, filled from pinned memory by non-blocking copies; a call's rows
+padded to its bucket; on CUDA the bucket's graph, captured at warm-up
+(`capture`), replayed. Greedy tokens are argmaxed on the device and come back
+in one copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.rpc.errors import InvalidArgument
+from specdec.runtime.kv_arena import KVArena, PagedSequence
+from specdec.runtime.lean import LeanForward, _rms_norm, _rotary, _signed_sin
+
+# Row buckets a runner captures: decode batches, and verifications of γ + 1 rows fall in them.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def fused_linear(modules: Sequence[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """One GEMM for several plain Linear layers side by side (q/k/v, gate/up), or None where
+    they are not all plain Linear (a quantized kind fuses itself: quant.base.fuse). The
+    layers' weights become views of the fused one, so the model holds one copy."""
+    if not modules or not all(type(m) is nn.Linear for m in modules):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in modules])
+        biased = any(m.bias is not None for m in modules)
+        bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                          for m in modules]) if biased else None
+        start = 0
+        for m in modules:
+            m.weight = nn.Parameter(weight[start:start + m.out_features], requires_grad=False)
+            if m.bias is not None:
+                m.bias = nn.Parameter(bias[start:start + m.out_features], requires_grad=False)
+            start += m.out_features
+    return lambda h: F.linear(h, weight, bias)
+
+
+@dataclass
+class _StepLayer:
+    input_norm: nn.Module
+    post_norm: nn.Module
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    o_proj: nn.Module
+    gate_up: Callable[[torch.Tensor], torch.Tensor] | None
+    mlp: nn.Module
+
+
+class PagedStep:
+    """logits [R, vocab] fp32 = step(ids [R], positions [R], tables [R, max_pages]), keys and values
+    written into the arena at each row's slot."""
+
+    def __init__(self, forward: LeanForward, arena: KVArena, max_pages: int):
+        self.forward, self.arena, self.max_pages = forward, arena, max_pages
+        self.heads, self.kv_heads, self.head_dim = forward.heads, forward.kv_heads, forward.head_dim
+        device, pages = arena.keys.device, arena.page_tokens
+        self.layers = []
+        for layer in forward.layers:
+            attn_parts = [layer.q_proj, layer.k_proj, layer.v_proj]
+            qkv = fused_linear(attn_parts) or layer.qkv or \
+                (lambda h, parts=attn_parts: torch.cat([p(h) for p in parts], dim=-1))
+            gate_up = fused_linear([getattr(layer.mlp, "gate_proj", None), getattr(layer.mlp, "up_proj", None)]) \
+                if hasattr(layer.mlp, "gate_proj") else None
+            self.layers.append(_StepLayer(layer.input_norm, layer.post_norm, qkv, layer.o_proj,
+                                          gate_up or layer.gate_up, layer.mlp))
+        # Rotary by position, computed once for every position a table can reach (gpt-fast's freqs_cis).
+        self.key_positions = torch.arange(max_pages * pages, device=device)            # [L]
+        like = torch.empty(1, 1, 1, dtype=forward.dtype, device=device)
+        cos, sin = forward.rotary(like, self.key_positions[None])
+        self.cos, self.sin = cos[0], _signed_sin(sin[0])                                # [L, dim]
+        self.page_offsets = torch.arange(pages, device=device)                           # [page]
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        rows, heads, kv_heads, dim = ids.shape[0], self.heads, self.kv_heads, self.head_dim
+        page = self.arena.page_tokens
+        q_size, kv_size = heads * dim, kv_heads * dim
+        x = self.forward.embed(ids)                                                     # [R, hidden]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]           # [R, 1, dim]
+        # Each row's slot in the arena, and the slots of every position its table covers.
+        slots = tables.gather(1, torch.div(positions, page, rounding_mode="floor")[:, None])[:, 0] * page \
+            + positions % page                                                          # [R]
+        context = (tables[:, :, None] * page + self.page_offsets).reshape(rows, -1)     # [R, L]
+        mask = (self.key_positions[None, :] <= positions[:, None])[:, None, None, :]   # [R, 1, 1, L]
+        keys_all, values_all = self.arena.keys, self.arena.values
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(_rms_norm(layer.input_norm, x))                             # [R, q + 2 kv]
+            qk = _rotary(qkv[:, :q_size + kv_size].view(rows, heads + kv_heads, dim), cos, sin)
+            keys_all[i].index_copy_(0, slots, qk[:, heads:].to(keys_all.dtype))
+            values_all[i].index_copy_(0, slots, qkv[:, q_size + kv_size:].view(rows, kv_heads, dim)
+                                      .to(values_all.dtype))
+            keys = keys_all[i][context].transpose(1, 2)                                 # [R, kv_heads, L, dim]
+            values = values_all[i][context].transpose(1, 2)
+            out = F.scaled_dot_product_attention(qk[:, :heads, None].to(keys.dtype), keys, values,
+                                                 attn_mask=mask, enable_gqa=True)       # [R, heads, 1, dim]
+            x = x + layer.o_proj(out.reshape(rows, q_size).to(x.dtype))
+            h = _rms_norm(layer.post_norm, x)
+            if layer.gate_up is None:
+                x = x + layer.mlp(h)
+            else:
+                gate, up = layer.gate_up(h).chunk(2, dim=-1)
+                x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        return self.forward.lm_head(_rms_norm(self.forward.norm, x)).float()
+
+
+class PagedRunner:
+    """Calls of several sessions' rows through the static step, padded to a bucket."""
+
+    def __init__(self, forward: LeanForward, arena: KVArena, max_context: int,
+                 buckets: Sequence[int] = BUCKETS, graphs: bool | None = None):
+        self.arena = arena
+        self.max_pages = -(-max_context // arena.page_tokens)
+        self.max_context = self.max_pages * arena.page_tokens
+        self.step = PagedStep(forward, arena, self.max_pages)
+        self.buckets = sorted(set(buckets))
+        device = arena.keys.device
+        self.graphs = device.type == "cuda" if graphs is None else graphs
+        pin = device.type == "cuda"
+
+        def buffers(rows: int, where: torch.device, pinned: bool) -> tuple[torch.Tensor, ...]:
+            return tuple(torch.zeros(shape, dtype=torch.long, device=where, pin_memory=pinned)
+                         for shape in ((rows,), (rows,), (rows, self.max_pages)))
+        self._inputs = {rows: buffers(rows, device, False) for rows in self.buckets}      # the step reads these
+        self._staging = {rows: buffers(rows, torch.device("cpu"), pin) for rows in self.buckets}
+        self._copied = {rows: torch.cuda.Event() if pin else None for rows in self.buckets}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def bucket(self, rows: int) -> int:
+        for size in self.buckets:
+            if size >= rows:
+                return size
+        raise InvalidArgument(f"{rows} rows in one step; the largest bucket is {self.buckets[-1]}: "
+                              "split the call")
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """CUDA graphs of the step, one a bucket, largest first (one memory pool for all):
+        warmed up on a side stream, captured over the persistent inputs (all padding now)."""
+        if not self.graphs:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        for rows in sorted(self.buckets, reverse=True):
+            inputs = self._inputs[rows]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.step(*inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.step(*inputs)
+            self._graphs[rows] = (graph, out)
+        torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def forward(self, items: Sequence[tuple[Sequence[int], PagedSequence, int]]) -> list[torch.Tensor]:
+        """[(token ids, sequence, rows kept)] -> [logits [kept, vocab] fp32], each sequence
+        advanced by its ids. The logits are the device's: read them before the next call."""
+        rows = sum(len(ids) for ids, _, _ in items)
+        size = self.bucket(rows)
+        for ids, sequence, keep in items:
+            assert ids and 0 <= keep <= len(ids), (len(ids), keep)
+            if sequence.length + len(ids) > self.max_context:
+                raise InvalidArgument(f"{sequence.length + len(ids)} positions; this runner's tables reach "
+                                      f"{self.max_context}")
+        for ids, sequence, _ in items:
+            self.arena.reserve(sequence, sequence.length + len(ids))
+        if self._copied[size] is not None:
+            self._copied[size].synchronize()   # the last copy out of this staging has landed
+        ids_h, positions_h, tables_h = self._staging[size]
+        ids_h.zero_(), positions_h.zero_(), tables_h.zero_()
+        kept, row = [], 0
+        for ids, sequence, keep in items:
+            end = row + len(ids)
+            ids_h[row:end] = torch.tensor(ids)
+            positions_h[row:end] = torch.arange(sequence.length, sequence.length + len(ids))
+            tables_h[row:end, :len(sequence.pages)] = torch.tensor(sequence.pages)
+            kept.append((end - keep, end))
+            row = end
+        for device_buffer, host in zip(self._inputs[size], self._staging[size]):
+            device_buffer.copy_(host, non_blocking=True)
+        if self._copied[size] is not None:
+            self._copied[size].record()
+        if size in self._graphs:
+            graph, logits = self._graphs[size]
+            graph.replay()
+        else:
+            logits = self.step(*self._inputs[size])
+        for ids, sequence, _ in items:
+            sequence.length += len(ids)
+        logits = logits[:rows].clone()   # the graph's output is overwritten by the next replay
+        return [logits[lo:hi] for lo, hi in kept]
+
+    def greedy(self, items: Sequence[tuple[Sequence[int], PagedSequence, int]]) -> list[list[int]]:
+        """As `forward`, the kept rows' argmax: one copy to the host for the whole step."""
+        logits = self.forward(items)
+        tokens = torch.cat(logits).argmax(dim=-1).tolist()
+        out, start = [], 0
+        for part in logits:
+            out.append(tokens[start:start + part.shape[0]])
+            start += part.shape[0]
+        return out

@@ -1,0 +1,155 @@
+"""The static step over one KV arena (the CUDA path's step, run here on the CPU in
+fp32): the lean forward's logits for decode, verification, batches of sessions at
+different lengths, rollback and shared prefix pages; padding rows that change no
+real row; no graph break, no host sync inside a step; an arena that never moves."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from specdec.rpc.errors import InvalidArgument, ResourceExhausted
+from specdec.runtime import lean
+from specdec.runtime.kv_arena import PAGE_TOKENS, SCRATCH_PAGE, KVArena
+from specdec.runtime.models import load_model
+from specdec.runtime.paged_step import PagedRunner
+
+ATOL = 5e-5   # fp32 sums in SDPA's order against the lean forward's bmm: 1e-5 apart on logits of size ~5
+
+
+def runner_for(forward: lean.LeanForward, pages: int = 64, max_context: int = 256) -> PagedRunner:
+    arena = KVArena(len(forward.layers), forward.kv_heads, forward.head_dim, pages, torch.float32, "cpu")
+    return PagedRunner(forward, arena, max_context)
+
+
+@pytest.fixture(scope="module")
+def forward() -> lean.LeanForward:
+    # A model of its own: the step fuses q/k/v and gate/up, making the layers' weights views.
+    return load_model("tiny-target").lean
+
+
+@pytest.fixture(scope="module")
+def qwen_forward() -> lean.LeanForward:
+    config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    return lean.LeanForward(Qwen2ForCausalLM(config).eval())   # q/k/v with biases, fused with them
+
+
+def lean_logits(forward: lean.LeanForward, calls: list[tuple[list[int], int]], crop: dict[int, int] = {}):
+    """The lean forward over the same calls: [(ids, rows kept)], the cache cropped before call i to crop[i]."""
+    cache, out = forward.new_cache(), []
+    for i, (ids, keep) in enumerate(calls):
+        if i in crop:
+            cache.crop(crop[i])
+        out.append(forward(torch.tensor(ids), cache, keep_last=keep))
+    return out
+
+
+@pytest.mark.parametrize("model", ["forward", "qwen_forward"])
+def test_prefill_decode_verify_and_rollback_give_the_lean_forwards_logits(model, request):
+    forward = request.getfixturevalue(model)
+    runner = runner_for(forward)
+    tokens = [(7 * i + 3) % 250 + 5 for i in range(60)]
+    calls = [(tokens[:30], 30), (tokens[30:31], 1), (tokens[31:36], 5), ([9, 10, 11], 3)]
+    expected = lean_logits(forward, calls, crop={3: 33})         # two of five drafts kept, then a verification
+    sequence = runner.arena.new_sequence()
+    for i, (ids, keep) in enumerate(calls):
+        if i == 3:
+            sequence.crop(33)
+        got = runner.forward([(ids, sequence, keep)])[0]
+        assert got.shape == expected[i].shape
+        assert torch.allclose(got, expected[i], atol=ATOL), (i, (got - expected[i]).abs().max())
+        assert torch.equal(got.argmax(-1), expected[i].argmax(-1))
+    assert sequence.length == 36 and len(sequence.pages) == 3
+
+
+def test_sessions_at_different_lengths_share_a_step_and_padding_changes_no_real_row(forward):
+    runner = runner_for(forward)
+    prompts = [[(11 * i + j) % 240 + 4 for i in range(length)] for j, length in enumerate((5, 40, 17))]
+    nexts = [[8], [21, 22, 23], [30, 31]]                        # a decode, a verification of 3, of 2
+    sequences = [runner.arena.new_sequence() for _ in prompts]
+    for prompt, sequence in zip(prompts, sequences):
+        runner.forward([(prompt, sequence, 0)])                   # prefills: no logits kept
+    scratch = slice(SCRATCH_PAGE * PAGE_TOKENS, (SCRATCH_PAGE + 1) * PAGE_TOKENS)
+    before = runner.arena.keys.clone()
+    got = runner.forward([(ids, sequence, len(ids)) for ids, sequence in zip(nexts, sequences)])  # 6 rows: bucket 8
+    assert runner.bucket(6) == 8
+    for prompt, ids, logits in zip(prompts, nexts, got):
+        expected = lean_logits(forward, [(prompt, 0), (ids, len(ids))])[1]
+        assert torch.allclose(logits, expected, atol=ATOL)
+    # The two padding rows wrote the scratch page alone: every other slot changed only at the rows' own.
+    written = {sequence.pages[p // PAGE_TOKENS] * PAGE_TOKENS + p % PAGE_TOKENS
+               for sequence, ids in zip(sequences, nexts)
+               for p in range(sequence.length - len(ids), sequence.length)}
+    changed = (runner.arena.keys != before).flatten(2).any(-1).any(0).nonzero().flatten().tolist()
+    assert set(changed) - set(range(scratch.start, scratch.stop)) == written
+
+
+def test_a_shared_prefixs_pages_are_shared_and_given_back_with_their_last_holder(forward):
+    runner = runner_for(forward, pages=16)
+    arena = runner.arena
+    prompt = [(5 * i + 1) % 230 + 6 for i in range(2 * PAGE_TOKENS + 5)]
+    first = arena.new_sequence()
+    runner.forward([(prompt, first, 0)])
+    free = arena.free_pages
+    second = arena.fork(first, 2 * PAGE_TOKENS)                  # the first two pages, not copied
+    assert second.pages == first.pages[:2] and arena.free_pages == free
+    tail = [40, 41, 42]
+    got = runner.forward([(tail, second, 3)])[0]
+    expected = lean_logits(forward, [(prompt[:2 * PAGE_TOKENS] + tail, 3)])[0]
+    assert torch.allclose(got, expected, atol=ATOL)
+    assert len(second.pages) == 3 and arena.free_pages == free - 1     # its own third page
+    again = runner.forward([([7], first, 1)])[0]                  # the first session's own tail is intact
+    assert torch.allclose(again, lean_logits(forward, [(prompt + [7], 1)])[0], atol=ATOL)
+    arena.release(first)
+    assert arena.free_pages == free - 1 + 1                       # its third page; the shared two still held
+    arena.release(second)
+    assert arena.free_pages == 15                                 # every page but the scratch page
+
+
+def test_a_step_compiles_whole_and_syncs_nothing_and_the_arena_never_moves(forward):
+    runner = runner_for(forward)
+    arena = runner.arena
+    addresses = (arena.keys.data_ptr(), arena.values.data_ptr())
+    sequence = arena.new_sequence()
+    runner.forward([(list(range(10, 40)), sequence, 1)])
+    inputs = runner._inputs[runner.bucket(3)]
+    runner.forward([([50, 51, 52], sequence, 3)])                 # the bucket's buffers now hold a real call
+    sequence.crop(30)                                             # and again from where that call started
+
+    # A value read back to the host: item() (as inference mode dispatches it) and what it decomposes to.
+    reads = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+             torch.ops.aten.is_nonzero.default, torch.ops.aten.nonzero.default}
+
+    class NoHostSync(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in reads:
+                raise AssertionError(f"{func} reads a value back to the host inside a step")
+            return func(*args, **(kwargs or {}))
+    with torch.inference_mode(), NoHostSync():
+        eager = runner.step(*inputs)
+    with torch.inference_mode():
+        compiled = torch.compile(runner.step, fullgraph=True, backend="aot_eager")(*inputs)   # raises on a break
+    assert torch.allclose(compiled, eager, atol=1e-5)
+    for _ in range(3):                                            # pages taken, given back, shared
+        other = arena.fork(sequence, 16)
+        runner.forward([(list(range(60, 60 + 40)), other, 1)])
+        arena.release(other)
+    assert (arena.keys.data_ptr(), arena.values.data_ptr()) == addresses
+
+
+def test_a_full_arena_and_a_table_too_short_are_refused_with_what_to_do(forward):
+    runner = runner_for(forward, pages=3, max_context=128)        # two pages to hand out
+    sequence = runner.arena.new_sequence()
+    runner.forward([(list(range(4, 36)), sequence, 1)])           # 32 tokens: both pages
+    with pytest.raises(ResourceExhausted, match="free pages"):
+        runner.forward([([5], sequence, 1)])
+    assert sequence.length == 32                                  # nothing moved
+    wide = runner_for(forward, pages=64, max_context=32)
+    long = wide.arena.new_sequence()
+    with pytest.raises(InvalidArgument, match="tables reach 32"):
+        wide.forward([(list(range(4, 40)), long, 1)])
+    with pytest.raises(InvalidArgument, match="largest bucket"):
+        wide.forward([(list(range(4, 4 + 65)), wide.arena.new_sequence(), 1)])
