@@ -31,7 +31,8 @@ def test_the_gpu_check_runs_every_section_and_writes_one_table(tmp_path):
     table = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     sections = {k: v for k, v in table.items() if k != "meta"}
     assert {name: s["status"] for name, s in sections.items()} == dict.fromkeys(
-        ["environment", "tiny pair greedy", "step costs", "argmax, k rows against 1", "services", "chi-square"], "ok")
+        ["environment", "tiny pair greedy", "step costs", "argmax, k rows against 1", "static step", "services",
+         "chi-square"], "ok")
     steps = sections["step costs"]["value"]
     assert [s["label"] for s in steps] == ["draft bf16", "draft INT8", "target 1.5B bf16", "target 7B bf16"]
     for step in steps:
@@ -41,6 +42,13 @@ def test_the_gpu_check_runs_every_section_and_writes_one_table(tmp_path):
     configs = {name: json.loads((pathlib.Path(m) / "config.json").read_text())
                for name, m in ((s["label"], s["model"]) for s in steps)}
     assert configs["target 7B bf16"]["vocab_size"] > configs["target 1.5B bf16"]["vocab_size"]
+    static = sections["static step"]["value"]["models"]
+    assert [s["label"] for s in static] == ["draft 0.5B bf16", "target 1.5B bf16", "target 7B bf16"]
+    for step in static:
+        assert [int(n) for n in step["rows_ms"]] == [1, 2, 4, 8, 16] and min(step["rows_ms"].values()) > 0, step
+        assert step["graphs"] == torch.cuda.is_available()
+        greedy = step["greedy"]   # the same tokens, or parted by a bf16 tie
+        assert greedy["agreed"] == greedy["of"] == 16 or greedy["first_difference_bf16_steps"] <= 2.0, step
     pairs = sections["services"]["value"]
     assert [p["pair"] for p in pairs] == ["0.5B -> 1.5B", "0.5B -> 7B"]
     for pair in pairs:
@@ -52,7 +60,7 @@ def test_the_gpu_check_runs_every_section_and_writes_one_table(tmp_path):
         assert runs["γ=1"]["rpc_ms_per_round"] is not None
     assert sections["chi-square"]["value"]["runs"] == 200   # --quick's; 2,000 in the full check
     markdown = (tmp_path / "out" / "gpu_check.md").read_text()
-    assert "| model | B params |" in markdown and "bound.py on the services' curves" in markdown
+    assert "| model | B params |" in markdown and "| static step | weights GB |" in markdown and "bound.py on the services' curves" in markdown
 
 
 def test_the_seven_b_config_is_the_families_with_the_seven_b_shape():

@@ -8,11 +8,14 @@
      target (bf16), built with random weights: ms by rows, prefill per token,
      launches and GPU-busy time of a 1-row step, peak memory, and whether a
      verification's argmax is a decode step's (else a bf16 tie);
-  4. the real services on the pairs 0.5B -> 1.5B and 0.5B -> 7B at synthetic
+  4. the static step (one KV arena, a CUDA graph a row bucket) of the draft and
+     both targets: ms by rows beside the HBM floor (weights at the measured copy
+     bandwidth), and its greedy tokens against the lean forward's;
+  5. the real services on the pairs 0.5B -> 1.5B and 0.5B -> 7B at synthetic
      acceptances: target-only and spec ms per token, the RPC cost of a round,
      beside what coordinator/gamma/bound.py predicts from the services' curves
      (and at the acceptance the CPU bench measured for the real pair);
-  5. 2,000 sampled runs of the tiny pair against the target's exact distribution
+  6. 2,000 sampled runs of the tiny pair against the target's exact distribution
      (chi-square; fewer where time is short, the count printed).
 
 Each section runs whatever the others did (a failure is shown in its place);
@@ -110,6 +113,21 @@ def argmax_consistency(device: str, models: dict[str, shapes.Model]) -> dict:
     if not found["ties_only"]:
         raise AssertionError(f"a verification's argmax left a decode step's by more than a bf16 tie: {found}")
     return found
+
+
+def static_step(device: str, models: dict[str, shapes.Model]) -> dict:
+    import torch
+    from specdec_tools.gpu import static
+    bandwidth = static.copy_bandwidth_gbps(torch.device(device)) if device.startswith("cuda") else 0.0
+    out = []
+    for label, name in (("draft 0.5B bf16", shapes.DRAFT), ("target 1.5B bf16", shapes.TARGET),
+                        ("target 7B bf16", shapes.TARGET_7B)):
+        try:
+            out.append(static.measure(label, str(models[name].path), device=device, seed=SEED,
+                                      bandwidth_gbps=bandwidth))
+        except Exception as error:  # one model's failure is its row
+            out.append({"label": label, "error": _error(error)})
+    return {"copy_gbps": bandwidth, "models": out}
 
 
 def draft_path(step_rows: list[dict] | None) -> tuple[str, str]:
@@ -247,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     section("tiny pair greedy", lambda: tiny_greedy(device), correctness=True)
     section("step costs", lambda: step_costs(device, models, args.quick, lambda rows: table.partial("step costs", rows)))
     section("argmax, k rows against 1", lambda: argmax_consistency(device, models), correctness=True)
+    section("static step", lambda: static_step(device, models))
     draft_quantize, why = draft_path(table.value("step costs"))
     table.meta["services' draft"] = why
     section("services", lambda: served(device, models, args.quick, questions(payload, 1 if args.quick else 2),

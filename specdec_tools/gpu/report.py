@@ -50,6 +50,8 @@ class Report:
             lines += ["", "Machine: " + ", ".join(f"{k} {v}" for k, v in env.items())]
         if steps := self.value("step costs"):
             lines += ["", *step_table(steps)]
+        if static := self.value("static step"):
+            lines += ["", *static_table(static)]
         if argmax := self.value("argmax, k rows against 1"):
             lines += ["", f"A verification's argmax against decode steps' (target 1.5B bf16): {argmax}"]
         if pairs := self.value("services"):
@@ -82,6 +84,32 @@ def step_table(rows: list[dict]) -> list[str]:
             r["label"], r["parameters_b"], r["load_s"], *[f"{ms[n]:.2f}" if n in ms else "-" for n in counts],
             f"{r['prefill_ms_per_token']:.3f}", r["launches"], f"{r['busy_ms']:.2f} / {r['wall_ms']:.2f}",
             r["peak_mb"] or "-", f"{one / base:.2f}" if one and base else "-"]) + " |")
+    return out
+
+
+def static_table(static: dict) -> list[str]:
+    """The static step (one KV arena, a CUDA graph a bucket) by rows, beside the HBM floor."""
+    rows = static["models"]
+    counts = sorted({int(n) for r in rows for n in r.get("rows_ms", {})})
+    head = ["static step", "weights GB", "floor ms", *[f"{n} row{'s' if n > 1 else ''} ms" for n in counts],
+            "1 row / floor", "8 rows / 1", "16 rows / 1", "graphs (capture s)", "greedy as the lean forward's"]
+    out = [f"Static step, device copy bandwidth {static['copy_gbps']} GB/s:", "",
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['label']} | " + " | ".join(["-"] * (len(head) - 2)) + f" | {r['error']} |")
+            continue
+        ms = {int(k): v for k, v in r["rows_ms"].items()}
+        greedy = r.get("greedy", {})
+        agreed = f"{greedy.get('agreed')}/{greedy.get('of')}" + (
+            f" (then {greedy['first_difference_bf16_steps']} bf16 steps apart)"
+            if "first_difference_bf16_steps" in greedy else "")
+        out.append("| " + " | ".join(str(x) for x in [
+            r["label"], r["weights_gb"], r.get("floor_ms") or "-", *[f"{ms[n]:.3f}" if n in ms else "-" for n in counts],
+            r.get("one_row_over_floor", "-"), r["ratio_8"], r["ratio_16"], f"{r['graphs']} ({r['capture_s']})",
+            agreed]) + " |")
+    out += [f"- {r['label']}: graph capture failed, timed eager: {r['capture_error']}"
+            for r in rows if r.get("capture_error")]
     return out
 
 

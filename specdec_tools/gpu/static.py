@@ -1,0 +1,117 @@
+"""The static step's costs (specdec.runtime.paged_step: one KV arena, a CUDA graph a
+row bucket), beside the HBM floor, for the GPU check:
+
+  - the device's copy bandwidth (a 1 GiB device-to-device copy, synchronized) and each
+    model's floor: its weights' bytes read once at that rate;
+  - ms of one step by rows after a 128-token prefix, each the least of a few replays
+    (on the CPU, the eager step: it runs, its times say nothing of a GPU);
+  - the step's greedy tokens against the lean forward's over 16 decode steps (bf16:
+    where they differ, a tie is all that may part them).
+"""
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+from specdec.runtime.kv_arena import KVArena, device_budget_bytes
+from specdec.runtime.models import load_model
+from specdec.runtime.paged_step import BUCKETS, PagedRunner
+from specdec.runtime.sequence import SequenceCache
+from specdec.service.warm_up import CURVE_PREFIX, device_clock
+
+ROWS = (1, 2, 4, 8, 16)
+MAX_CONTEXT = 256   # the tables' reach: the 128-token prefix and a verification, as the step curve's
+
+
+def copy_bandwidth_gbps(device: torch.device, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes moved (read + written) per second by a device copy, the best of a few."""
+    n = int(gib * 2**30) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    clock, best = device_clock(device), float("inf")
+    for _ in range(repeats):
+        started = clock()
+        dst.copy_(src)
+        best = min(best, clock() - started)
+    del src, dst
+    return round(2 * n * 2 / best / 1e9, 1)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.parameters()) + \
+        sum(t.numel() * t.element_size() for t in model.buffers())
+
+
+def measure(label: str, path: str, *, device: str, seed: int, bandwidth_gbps: float, repeats: int = 5) -> dict:
+    torch_device = torch.device(device)
+    loaded = load_model(path, dtype="bf16", device=device, random_weights=seed)
+    try:
+        forward = loaded.lean
+        assert forward is not None, "the lean forward does not cover this model"
+        out = {"label": label, "weights_gb": round(weight_bytes(loaded.model) / 1e9, 2)}
+        out["floor_ms"] = round(out["weights_gb"] / bandwidth_gbps * 1e3, 3) if bandwidth_gbps else None
+        # vLLM's sizing, held down to a quarter here: the services section runs after this one.
+        budget = min(device_budget_bytes(torch_device, fraction=0.25), 4 << 30)
+        arena = KVArena.sized(len(forward.layers), forward.kv_heads, forward.head_dim, forward.dtype,
+                              torch_device, budget)
+        runner = PagedRunner(forward, arena, MAX_CONTEXT, buckets=sorted({*BUCKETS, *ROWS}))
+        started = time.perf_counter()
+        try:
+            runner.capture()
+        except Exception as error:   # timed eager then, the capture's failure beside the times
+            out["capture_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            runner.graphs = False
+            runner._graphs.clear()
+        out["capture_s"] = round(time.perf_counter() - started, 1)
+        out["graphs"] = runner.graphs
+        ids = [(7 * i + 3) % loaded.vocab_size for i in range(CURVE_PREFIX + max(ROWS))]
+        sequence = arena.new_sequence()
+        for start in range(0, CURVE_PREFIX, 64):
+            runner.forward([(ids[start:start + 64], sequence, 0)])
+        clock = device_clock(torch_device)
+        out["rows_ms"] = {}
+        for rows in ROWS:
+            best = float("inf")
+            for _ in range(repeats):
+                sequence.crop(CURVE_PREFIX)
+                started = clock()
+                runner.forward([(ids[CURVE_PREFIX:CURVE_PREFIX + rows], sequence, rows)])
+                best = min(best, clock() - started)
+            out["rows_ms"][rows] = round(best * 1e3, 3)
+        one = out["rows_ms"][1]
+        out["ratio_8"] = round(out["rows_ms"][8] / one, 2)
+        out["ratio_16"] = round(out["rows_ms"][16] / one, 2)
+        if out["floor_ms"]:
+            out["one_row_over_floor"] = round(one / out["floor_ms"], 2)
+        sequence.crop(CURVE_PREFIX - 1)   # the prefix's last token is the first step's, as in SequenceCache
+        out["greedy"] = greedy_against_lean(loaded, runner, sequence, ids[:CURVE_PREFIX])
+        arena.release(sequence)
+        return out
+    finally:
+        del loaded
+        gc.collect()
+        if torch_device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def greedy_against_lean(loaded, runner: PagedRunner, sequence, prefix: list[int], tokens: int = 16) -> dict:
+    """16 greedy steps of each path from the same prefix: the tokens they agree on before the first
+    difference, and whether that difference is a tie on the lean forward's logits (two bf16 steps)."""
+    import math
+    lean = SequenceCache(loaded, prefix)
+    lean.prefill()
+    last = prefix[-1]
+    agreed = 0
+    for _ in range(tokens):
+        mine = int(runner.forward([([last], sequence, 1)])[0][0, :loaded.vocab_size].argmax())
+        logits = lean.forward([], keep_last=1)[0][:loaded.vocab_size]
+        theirs = int(logits.argmax())
+        if mine != theirs:
+            a, b = float(logits[theirs]), float(logits[mine])
+            step = 2.0 ** (math.floor(math.log2(max(abs(a), abs(b), 1e-30))) - 7)
+            return {"agreed": agreed, "of": tokens, "first_difference_bf16_steps": round(abs(a - b) / step, 2)}
+        lean.append([theirs])
+        last, agreed = theirs, agreed + 1
+    return {"agreed": agreed, "of": tokens}
