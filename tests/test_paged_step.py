@@ -151,5 +151,14 @@ def test_a_full_arena_and_a_table_too_short_are_refused_with_what_to_do(forward)
     long = wide.arena.new_sequence()
     with pytest.raises(InvalidArgument, match="tables reach 32"):
         wide.forward([(list(range(4, 40)), long, 1)])
-    with pytest.raises(InvalidArgument, match="largest bucket"):
-        wide.forward([(list(range(4, 4 + 65)), wide.arena.new_sequence(), 1)])
+
+
+def test_calls_past_the_largest_bucket_run_in_groups_and_a_long_prefill_gathers_its_context_once(forward):
+    runner = runner_for(forward, pages=128, max_context=512)
+    prompts = [[(3 * i + j) % 200 + 9 for i in range(length)] for j, length in enumerate((150, 40, 30))]
+    sequences = [runner.arena.new_sequence() for _ in prompts]
+    # 220 rows: the 150-row prefill alone (eager, one gathered context), the others in buckets of 32 and 64.
+    got = runner.forward([(prompt, sequence, 2) for prompt, sequence in zip(prompts, sequences)])
+    for prompt, logits in zip(prompts, got):
+        assert torch.allclose(logits, lean_logits(forward, [(prompt, 2)])[0], atol=ATOL)
+    assert runner.context_pages(150) == 16 and runner.context_pages(300) == 32 and runner.context_pages(10**4) == 32

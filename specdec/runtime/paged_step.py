@@ -90,7 +90,11 @@ class PagedStep:
         self.cos, self.sin = cos[0], _signed_sin(sin[0])                                # [L, dim]
         self.page_offsets = torch.arange(pages, device=device)                           # [page]
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                 shared: bool = False) -> torch.Tensor:
+        """`tables` [R, pages]: as many pages as the call's context bucket needs (at most
+        max_pages). `shared`: every row is one sequence's (a prefill chunk), whose context is
+        gathered once for all of them, not once a row."""
         rows, heads, kv_heads, dim = ids.shape[0], self.heads, self.kv_heads, self.head_dim
         page = self.arena.page_tokens
         q_size, kv_size = heads * dim, kv_heads * dim
@@ -99,8 +103,11 @@ class PagedStep:
         # Each row's slot in the arena, and the slots of every position its table covers.
         slots = tables.gather(1, torch.div(positions, page, rounding_mode="floor")[:, None])[:, 0] * page \
             + positions % page                                                          # [R]
-        context = (tables[:, :, None] * page + self.page_offsets).reshape(rows, -1)     # [R, L]
-        mask = (self.key_positions[None, :] <= positions[:, None])[:, None, None, :]   # [R, 1, 1, L]
+        readers = tables[:1] if shared else tables                                      # [B, pages]: B = 1 or R
+        context = (readers[:, :, None] * page + self.page_offsets).reshape(readers.shape[0], -1)   # [B, L]
+        length = context.shape[1]
+        visible = self.key_positions[None, :length] <= positions[:, None]              # [R, L]
+        mask = visible[None, None] if shared else visible[:, None, None, :]            # [B, 1, R or 1, L]
         keys_all, values_all = self.arena.keys, self.arena.values
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(_rms_norm(layer.input_norm, x))                             # [R, q + 2 kv]
@@ -108,10 +115,11 @@ class PagedStep:
             keys_all[i].index_copy_(0, slots, qk[:, heads:].to(keys_all.dtype))
             values_all[i].index_copy_(0, slots, qkv[:, q_size + kv_size:].view(rows, kv_heads, dim)
                                       .to(values_all.dtype))
-            keys = keys_all[i][context].transpose(1, 2)                                 # [R, kv_heads, L, dim]
+            keys = keys_all[i][context].transpose(1, 2)                                 # [B, kv_heads, L, dim]
             values = values_all[i][context].transpose(1, 2)
-            out = F.scaled_dot_product_attention(qk[:, :heads, None].to(keys.dtype), keys, values,
-                                                 attn_mask=mask, enable_gqa=True)       # [R, heads, 1, dim]
+            q = qk[:, :heads].transpose(0, 1)[None] if shared else qk[:, :heads, None]  # [B, heads, R or 1, dim]
+            out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=True)
+            out = out[0].transpose(0, 1) if shared else out[:, :, 0]                   # [R, heads, dim]
             x = x + layer.o_proj(out.reshape(rows, q_size).to(x.dtype))
             h = _rms_norm(layer.post_norm, x)
             if layer.gate_up is None:
@@ -123,7 +131,10 @@ class PagedStep:
 
 
 class PagedRunner:
-    """Calls of several sessions' rows through the static step, padded to a bucket."""
+    """Calls of several sessions' rows through the static step: padded to a row bucket, their
+    tables cut to a context bucket (a power of two of pages: attention reads what the
+    longest session needs, not the tables' whole reach). A call of more rows than the
+    largest bucket (a prefill chunk) runs eager, one sequence at a time."""
 
     def __init__(self, forward: LeanForward, arena: KVArena, max_context: int,
                  buckets: Sequence[int] = BUCKETS, graphs: bool | None = None):
@@ -132,17 +143,18 @@ class PagedRunner:
         self.max_context = self.max_pages * arena.page_tokens
         self.step = PagedStep(forward, arena, self.max_pages)
         self.buckets = sorted(set(buckets))
-        device = arena.keys.device
+        self.device = device = arena.keys.device
         self.graphs = device.type == "cuda" if graphs is None else graphs
-        pin = device.type == "cuda"
+        self._pinned = device.type == "cuda"
 
         def buffers(rows: int, where: torch.device, pinned: bool) -> tuple[torch.Tensor, ...]:
             return tuple(torch.zeros(shape, dtype=torch.long, device=where, pin_memory=pinned)
                          for shape in ((rows,), (rows,), (rows, self.max_pages)))
         self._inputs = {rows: buffers(rows, device, False) for rows in self.buckets}      # the step reads these
-        self._staging = {rows: buffers(rows, torch.device("cpu"), pin) for rows in self.buckets}
-        self._copied = {rows: torch.cuda.Event() if pin else None for rows in self.buckets}
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._staging = {rows: buffers(rows, torch.device("cpu"), self._pinned) for rows in self.buckets}
+        self._copied = {rows: torch.cuda.Event() if self._pinned else None for rows in self.buckets}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
 
     def bucket(self, rows: int) -> int:
         for size in self.buckets:
@@ -151,40 +163,79 @@ class PagedRunner:
         raise InvalidArgument(f"{rows} rows in one step; the largest bucket is {self.buckets[-1]}: "
                               "split the call")
 
+    def context_pages(self, positions: int) -> int:
+        """The context bucket for `positions`: pages, a power of two (at least 16), at most max_pages."""
+        pages = max(1, -(-positions // self.arena.page_tokens))
+        return min(max(16, 1 << (pages - 1).bit_length()), self.max_pages)
+
+    def _inputs_for(self, rows: int, pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids, positions, tables = self._inputs[rows]
+        return ids, positions, tables[:, :pages]
+
     @torch.inference_mode()
-    def capture(self) -> None:
-        """CUDA graphs of the step, one a bucket, largest first (one memory pool for all):
-        warmed up on a side stream, captured over the persistent inputs (all padding now)."""
+    def capture(self, context: int | None = None) -> None:
+        """CUDA graphs of the step for every row bucket at the context bucket of `context`
+        positions (default the smallest), largest first, in one memory pool: warmed up on a
+        side stream, captured over the persistent inputs (all padding now). Other context
+        buckets are captured when a call first needs them."""
         if not self.graphs:
             return
-        pool = torch.cuda.graph_pool_handle()
+        pages = self.context_pages(context or 1)
         for rows in sorted(self.buckets, reverse=True):
-            inputs = self._inputs[rows]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.step(*inputs)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.step(*inputs)
-            self._graphs[rows] = (graph, out)
+            self._capture(rows, pages)
         torch.cuda.synchronize()
+
+    def _capture(self, rows: int, pages: int) -> None:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        inputs = self._inputs_for(rows, pages)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.step(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.step(*inputs)
+        self._graphs[(rows, pages)] = (graph, out)
 
     @torch.inference_mode()
     def forward(self, items: Sequence[tuple[Sequence[int], PagedSequence, int]]) -> list[torch.Tensor]:
         """[(token ids, sequence, rows kept)] -> [logits [kept, vocab] fp32], each sequence
         advanced by its ids. The logits are the device's: read them before the next call."""
-        rows = sum(len(ids) for ids, _, _ in items)
-        size = self.bucket(rows)
         for ids, sequence, keep in items:
-            assert ids and 0 <= keep <= len(ids), (len(ids), keep)
+            assert len(ids) and 0 <= keep <= len(ids), (len(ids), keep)
             if sequence.length + len(ids) > self.max_context:
                 raise InvalidArgument(f"{sequence.length + len(ids)} positions; this runner's tables reach "
                                       f"{self.max_context}")
         for ids, sequence, _ in items:
             self.arena.reserve(sequence, sequence.length + len(ids))
+        out: list[torch.Tensor | None] = [None] * len(items)
+        group: list[int] = []
+        for j in sorted(range(len(items)), key=lambda j: len(items[j][0])):
+            rows = len(items[j][0])
+            if rows > self.buckets[-1]:
+                out[j] = self._eager(*items[j])
+            elif sum(len(items[k][0]) for k in group) + rows > self.buckets[-1]:
+                out = self._put(out, group, self._bucketed([items[k] for k in group]))
+                group = [j]
+            else:
+                group.append(j)
+        if group:
+            out = self._put(out, group, self._bucketed([items[k] for k in group]))
+        return out
+
+    @staticmethod
+    def _put(out: list, where: list[int], values: list[torch.Tensor]) -> list:
+        for j, value in zip(where, values):
+            out[j] = value
+        return out
+
+    def _bucketed(self, items: Sequence[tuple[Sequence[int], PagedSequence, int]]) -> list[torch.Tensor]:
+        rows = sum(len(ids) for ids, _, _ in items)
+        size = self.bucket(rows)
+        pages = self.context_pages(max(sequence.length + len(ids) for ids, sequence, _ in items))
         if self._copied[size] is not None:
             self._copied[size].synchronize()   # the last copy out of this staging has landed
         ids_h, positions_h, tables_h = self._staging[size]
@@ -201,15 +252,30 @@ class PagedRunner:
             device_buffer.copy_(host, non_blocking=True)
         if self._copied[size] is not None:
             self._copied[size].record()
-        if size in self._graphs:
-            graph, logits = self._graphs[size]
+        if self.graphs and (size, pages) not in self._graphs:
+            self._capture(size, pages)
+        if (size, pages) in self._graphs:
+            graph, logits = self._graphs[(size, pages)]
             graph.replay()
         else:
-            logits = self.step(*self._inputs[size])
+            logits = self.step(*self._inputs_for(size, pages))
         for ids, sequence, _ in items:
             sequence.length += len(ids)
         logits = logits[:rows].clone()   # the graph's output is overwritten by the next replay
         return [logits[lo:hi] for lo, hi in kept]
+
+    def _eager(self, ids: Sequence[int], sequence: PagedSequence, keep: int) -> torch.Tensor:
+        """One sequence's many rows (a prefill chunk), at their own count, its context gathered once."""
+        rows = len(ids)
+        pages = self.context_pages(sequence.length + rows)
+        table = torch.zeros(pages, dtype=torch.long)
+        table[:len(sequence.pages)] = torch.tensor(sequence.pages)
+        inputs = (torch.tensor(list(ids)), torch.arange(sequence.length, sequence.length + rows),
+                  table[None].expand(rows, pages))
+        inputs = tuple(t.to(self.device, non_blocking=self._pinned) for t in inputs)
+        logits = self.step(*inputs, shared=True)
+        sequence.length += rows
+        return logits[rows - keep:]
 
     def greedy(self, items: Sequence[tuple[Sequence[int], PagedSequence, int]]) -> list[list[int]]:
         """As `forward`, the kept rows' argmax: one copy to the host for the whole step."""
