@@ -186,8 +186,8 @@ def parser() -> argparse.ArgumentParser:
                     help="overrides the pair's setting (int4: the GGUF's own Q4_K blocks, CPU)")
     up.add_argument("--head-vocab", type=int, help="overrides the pair's INT8 draft head restriction")
     up.add_argument("--forward", choices=FORWARDS,
-                    help="the model services' forward: lean (default; Llama/Qwen2 over a static KV cache) or hf "
-                         "(transformers')")
+                    help="the model services' forward: lean (default; Llama/Qwen2 over a static KV cache), paged "
+                         "(one KV arena and a static step, CUDA graphs on a GPU) or hf (transformers')")
     up.add_argument("--gamma", default="auto", help="auto (adapted per request) or a fixed N")
     up.add_argument("--gamma-max", type=int, default=0,
                     help="the most draft tokens auto picks per round (0: the verifier's measured cost curve decides, 8 without one)")

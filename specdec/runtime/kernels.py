@@ -16,7 +16,6 @@ import importlib
 import logging
 import math
 import threading
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable

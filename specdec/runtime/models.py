@@ -20,6 +20,7 @@ from specdec.runtime.quant import QUANTIZE, quantizations
 from specdec.runtime.quant.base import QuantizeContext
 
 from specdec.runtime import lean, model_cache, torch_thread
+from specdec.runtime.paged_forward import PagedForward
 
 from specdec.weights import registry, synthetic, tiny, vocab_rank
 from specdec.rpc.errors import FailedPrecondition, InvalidArgument
@@ -181,9 +182,9 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
         raise FailedPrecondition(
             f"{name}: tokenizer has {vocab_size} ids but the model only {model_vocab} output rows")
     lean_forward = None
-    if forward == "lean":
+    if forward in ("lean", "paged"):
         if (why_not := lean.supports(model)) is None:
-            lean_forward = lean.LeanForward(model)
+            lean_forward = lean.LeanForward(model) if forward == "lean" else PagedForward(model)
         else:
             log.info("%s: transformers' forward (%s)", name, why_not)
     loaded = LoadedModel(
@@ -194,5 +195,5 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
         identity=json.dumps({"name": name, "entry": entry.name if entry else "", "forward": forward,
                              "random_weights": random_weights, **settings}, sort_keys=True, default=str))
     log.info("loaded %s (%s, %s, quantize=%s, head_vocab=%s, vocab %d/%d, %s forward)", name, dtype, device,
-             quantize, head_vocab or "all", vocab_size, model_vocab, "lean" if lean_forward else "transformers'")
+             quantize, head_vocab or "all", vocab_size, model_vocab, forward if lean_forward else "transformers'")
     return loaded

@@ -2,6 +2,8 @@
 (specdec.service.settings) and the loader checks (specdec.runtime.models)."""
 from __future__ import annotations
 
-FORWARDS = ("lean", "hf")       # specdec's lean forward over a static KV cache, or transformers'
+# specdec's lean forward over a static KV cache per session; the same arithmetic as a static step
+# over one KV arena (CUDA graphs a row bucket on a GPU); or transformers'.
+FORWARDS = ("lean", "paged", "hf")
 DTYPES = ("fp32", "bf16", "fp16")
 PREFILL_WEIGHTS = ("dense", "unpack")  # a prefill's many rows: kept bf16 weights, or each layer unpacked per call

@@ -37,8 +37,10 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
                                     "values). --model is then a directory with config.json and the tokenizer's files"),
       up=True),
     S("--forward", dict(default="lean", choices=FORWARDS,
-                        help="lean: specdec's forward for Llama/Qwen2 over a static KV cache (others fall back to "
-                             "transformers'); hf: transformers' forward")),
+                        help="lean: specdec's forward for Llama/Qwen2 over a static KV cache per session (others "
+                             "fall back to transformers'); paged: the same arithmetic as one static step over one KV "
+                             "arena sized from the device's free memory, with a CUDA graph a row bucket on a GPU "
+                             "(docs/gpu.md: not yet timed on one); hf: transformers' forward")),
     S("--head-vocab", dict(type=int, default=0,
                            help="with --quantize int8 or q4_0: cut the LM head to the N ids the target writes most (the "
                                 "tokenizer's ranking in specdec/weights/vocab; the lowest ids without one) plus "

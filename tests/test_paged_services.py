@@ -1,0 +1,91 @@
+"""The model services on the static step (`--forward paged`: one KV arena, the CUDA
+path's step), on the CPU in fp32, as real gRPC servers: greedy speculative output
+equal to target-only's and to the lean services', concurrent sessions batched into
+one step, the prefix cache's pages, and a pool that refuses what it cannot hold."""
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+import drafter.service
+import verifier.service
+from specdec.runtime.models import load_model
+from specdec.runtime.paged_forward import PagedCache, PagedForward
+from specdec.v1 import coordinator_pb2 as pb
+from tests.conftest import coordinator_stub
+from tests.test_end_to_end import PROMPTS, generate
+
+
+@pytest.fixture(scope="module")
+def paged_stack():
+    draft, target = load_model("tiny-draft", forward="paged"), load_model("tiny-target", forward="paged")
+    assert isinstance(target.lean, PagedForward) and isinstance(draft.lean, PagedForward)
+    servers = [drafter.service.serve(draft), verifier.service.serve(target)]
+    try:
+        with coordinator_stub(drafter=f"127.0.0.1:{servers[0].port}", verifier=f"127.0.0.1:{servers[1].port}",
+                              gamma=4) as stub:
+            yield stub, target
+    finally:
+        for server in servers:
+            server.stop(0)
+
+
+def test_greedy_output_on_the_static_step_is_target_onlys_and_the_lean_services(paged_stack, stack):
+    stub, target = paged_stack
+    drafted = accepted = 0
+    for prompt in PROMPTS[:8]:
+        lean = generate(stack.coordinator_stub, prompt, speculate=False)
+        reference = generate(stub, prompt, speculate=False)
+        speculative = generate(stub, prompt, speculate=True, gamma=4)
+        assert list(reference.token_ids) == list(lean.token_ids), prompt
+        assert list(speculative.token_ids) == list(reference.token_ids), prompt
+        drafted += speculative.stats.draft_tokens
+        accepted += speculative.stats.accepted_tokens
+    assert 0 < accepted < drafted                               # drafts kept and rejected: rollbacks ran
+    assert target.lean.arena is not None and target.lean.runner.step is not None
+
+
+def test_concurrent_sessions_share_steps_and_keep_their_own_tokens(paged_stack):
+    stub, _ = paged_stack
+    alone = {p: list(generate(stub, p, speculate=True, gamma=3).token_ids) for p in PROMPTS[:6]}
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        together = dict(zip(PROMPTS[:6], pool.map(
+            lambda p: list(generate(stub, p, speculate=True, gamma=3).token_ids), PROMPTS[:6])))
+    assert together == alone
+
+
+def test_a_cached_prefix_is_loaded_into_pages_and_gives_the_same_tokens(paged_stack):
+    stub, target = paged_stack
+    system = " ".join(f"rule {i}: be brief." for i in range(12))   # several 16-token blocks
+    requests = [pb.GenerateRequest(prompt=f"{system} {q}", max_new_tokens=12, cache_salt="paged")
+                for q in ("first?", "second?")]
+    first = stub.Generate(requests[0], timeout=60)
+    cold = stub.Generate(pb.GenerateRequest(prompt=f"{system} second?", max_new_tokens=12, cache_salt="other"),
+                         timeout=60)
+    warm = stub.Generate(requests[1], timeout=60)
+    assert first.stats.prompt_tokens > 32
+    assert warm.stats.prefix_cached_tokens >= 32 and cold.stats.prefix_cached_tokens == 0
+    assert list(warm.token_ids) == list(cold.token_ids)
+
+
+def test_a_cache_rolls_back_by_its_length_and_copies_blocks_through_the_arena():
+    forward = load_model("tiny-target", forward="paged").lean
+    cache = forward.new_cache()
+    import torch
+    ids = torch.arange(5, 45)
+    forward.batch([(ids, cache, 1)])
+    block = cache.block(16, 32)
+    assert block.shape == (len(forward.layers), 2, forward.kv_heads, 16, forward.head_dim)
+    other = forward.new_cache()
+    other.load_blocks([cache.block(0, 16), block], 16)
+    assert torch.equal(other.block(0, 32), cache.block(0, 32))
+    cache.crop(-8)
+    assert cache.get_seq_length() == 32
+    got = forward.batch([(ids[32:], cache, 8), (ids[32:], other, 8)])
+    assert isinstance(cache, PagedCache) and torch.allclose(got[0], got[1], atol=1e-5)
+    free = forward.arena.free_pages
+    del cache, other
+    import gc
+    gc.collect()
+    assert forward.arena.free_pages == free + 2 * 3              # both sessions' three pages back
