@@ -203,6 +203,29 @@ def test_a_token_a_call_for_lookups_that_keep_nothing_is_charged_until_the_budge
     assert without.decode_steps(16) == 16
 
 
+def test_a_token_a_call_is_charged_against_a_chunks_token_once_chunks_have_been_timed():
+    # On a 2-core CPU a one-token Decode call took some 40 ms where a 16-token chunk took 28 a
+    # token and the published forward said 31: charged against the forward, each call cost
+    # 9 ms on the ledger and 12 in fact, so a request spent past its budget on them.
+    from coordinator.gamma.explore import LOOKUP_WAIT
+    from coordinator.rounds import RoundRecord
+
+    c = controller(verify=[31.0, 51.0, 65.0], budget_ms=1e9)
+    c.without_model()
+    for _ in range(20):                     # earlier requests' calls: chunks and single tokens
+        c.state.cost.observe_decode(16, 2.0 + 16 * 28.0)
+        c.state.cost.observe_decode(1, 40.0)
+    assert c.state.cost.decode_token_ms() == pytest.approx(28.0, abs=1.0)
+    assert c.decode_steps(16) == 1
+    c.observe(RoundRecord(0, 0, 0, 0, False, 0.0, 40.0, steps=1))
+    assert c.exploration.ledger[LOOKUP_WAIT].ms == pytest.approx(12.0, abs=1.0)
+    # Before any chunk, the forward as published bounds what a token is taken to cost.
+    fresh = CostModel.from_curves([8.0], [31.0, 51.0])
+    for _ in range(20):
+        fresh.observe_decode(1, 40.0)
+    assert fresh.decode_token_ms() == pytest.approx(31.0)
+
+
 def test_a_seeded_sampled_requests_fixed_gamma_is_0_where_the_start_curves_say_drafting_cannot_pay():
     # Chosen once from the curves the services published at start, at the prior acceptance
     # (0.6): on a 2-core CPU's shape the model pays only from about 0.89, so seeded samples

@@ -207,6 +207,13 @@ class CostModel:
         not a round's time: what a target step costs without a call around it."""
         return self.verify_curve.measured[0] if self.verify_curve is not None else self.verify(0)
 
+    def decode_token_ms(self) -> float:
+        """What a token costs decoding in chunks, as target-only does: the Decode calls' slope
+        once calls of different lengths have told it from their fixed part, never above the
+        published one-row forward (which a line of one-token calls alone cannot undercut)."""
+        _, per_token = self.decode_calls.coefficients()
+        return min(self.forward_ms(), per_token) if per_token > 0 else self.forward_ms()
+
     def call_overhead_ms(self) -> float:
         """What a verifier call costs beyond its forwards (RPC, sampling, the round's
         bookkeeping): the fixed part of the Decode calls' line."""

@@ -210,8 +210,7 @@ class GammaController:
                 if self._lookup_kept:
                     return 1
                 # Expected to cost what such calls cost so far (the fitted call overhead before
-                # any); charged in `observe` at what it took beyond one step of the verifier's
-                # own forward, which a Decode line fitted to these very calls cannot tell apart.
+                # any); charged in `observe` at what it took beyond a token of chunked decoding.
                 waits = self.exploration.ledger.get(LOOKUP_WAIT)
                 expected = waits.ms / waits.count if waits is not None and waits.count else overhead
                 if self.exploration.affordable(expected):
@@ -275,7 +274,9 @@ class GammaController:
         state.rounds += 1
         if self._probe_kind is not None:   # charged at what it cost beyond target-only decoding
             tokens = round.accepted + max(round.steps, 1)
-            step = state.cost.forward_ms() if self._probe_kind == LOOKUP_WAIT else \
+            # A one-token call against what its token costs in target-only's chunks: the
+            # call's whole overhead, where the published forward hid the part a chunk saves.
+            step = state.cost.decode_token_ms() if self._probe_kind == LOOKUP_WAIT else \
                 state.cost.verify_ms(0, self.calls())
             self.exploration.charge(self._probe_kind, round.draft_ms + round.verify_ms - tokens * step)
             self._probe_kind = None
