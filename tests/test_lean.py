@@ -163,9 +163,11 @@ def test_a_calls_logits_do_not_depend_on_a_prefill_sharing_its_forward(monkeypat
 def test_prefill_chunks_sharing_a_forward_each_take_their_own_buckets_path(monkeypatch, kernel_state):
     # Two sessions' prefill chunks beside a verify call: the 20-row chunk's bucket chose the
     # dense path, the 8-row chunk's the kernel, and a 30-row chunk's bucket is not timed yet.
-    # Each chunk's keys and values, and the verify call's logits, must be what each gives
-    # alone, bit for bit, whatever their rows add up to.
+    # Under --batch-invariant each chunk's keys and values, and the verify call's logits, must
+    # be what each gives alone, bit for bit, whatever their rows add up to (by default several
+    # chunks share each layer's call: test_gathered).
     forward = _tiny_int4_forward()
+    forward.batch_invariant = True
     for layer in forward.linears():
         shape = ("int4", layer.out_features, layer.in_features, "prefill")
         kernel_state.choices[(*shape, kernel_choices.bucket(20))] = "dense"
@@ -234,10 +236,10 @@ def test_warm_up_can_time_every_prefill_bucket_a_chunk_can_meet(monkeypatch, ker
 
 @pytest.mark.skipif("avx2" not in kernels.cpu_flags(), reason="fbgemm's int8 GEMM runs on AVX2 CPUs")
 def test_rows_of_several_sessions_take_the_batch_kernel_unless_batch_invariant(monkeypatch, kernel_state):
-    # gate/up offer an int8 kernel beside torch's int4 one. A session alone, and a batch
+    # gate/up offer int8 kernels beside torch's int4 one. A session alone, and a batch
     # under --batch-invariant, keep the one kernel chosen for every call (int4 here); a
-    # batch of two sessions' decode rows takes its bucket's choice (int8 here), whose
-    # logits are close to, and not, each session's own bits.
+    # batch of two sessions' decode rows takes its bucket's choice for decode rows (int8
+    # here), whose logits are close to, and not, each session's own bits.
     config = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
     torch.manual_seed(0)
@@ -251,7 +253,7 @@ def test_rows_of_several_sessions_take_the_batch_kernel_unless_batch_invariant(m
     assert "fbgemm-int8-row" in {b.name for b, _ in gate_up._accelerated()}
     shape = ("int4", gate_up.out_features, gate_up.in_features)
     kernel_state.choices[(*shape, 0)] = "torch-int4"
-    kernel_state.choices[(*shape, "gathered", kernel_choices.bucket(2))] = "fbgemm-int8-row"
+    kernel_state.choices[(*shape, "gathered-decode", kernel_choices.bucket(2))] = "fbgemm-int8-row"
     prompts = [list(range(3, 20)), [7 * i % 290 + 5 for i in range(11)]]
 
     def prefilled() -> list:
@@ -270,7 +272,7 @@ def test_rows_of_several_sessions_take_the_batch_kernel_unless_batch_invariant(m
     gathered = batched(False)
     for a, b in zip(alone, gathered):
         assert not torch.equal(a, b) and (a - b).norm() < 0.05 * a.norm()
-    assert any("gathered rows<=2: fbgemm-int8-row" in line for line in kernel_choices.choices())
+    assert any("gathered-decode rows<=2: fbgemm-int8-row" in line for line in kernel_choices.choices())
     again = prefilled()  # one session's rows after the batch: its own bits still
     assert torch.equal(forward(torch.tensor(prompts[0][-1:]), again[0], keep_last=1), alone[0])
 

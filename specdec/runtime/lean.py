@@ -244,7 +244,11 @@ class LeanForward:
         lengths = [cache.length for _, cache, _ in items]
         try:
             graph = self._graph()
-            if not self.batch_invariant and sum(keep > 0 for _, _, keep in items) > 1:
+            # Several sessions' decode and verify calls, or several prefill chunks (each would
+            # read every dense weight once for itself): the kernels fastest for the rows. One
+            # logit-keeping call beside one chunk keeps its own bits, as it would alone.
+            kept = sum(keep > 0 for _, _, keep in items)
+            if not self.batch_invariant and (kept > 1 or len(items) - kept > 1):
                 return self._gathered(items, graph, lengths)
             return self._exact(items, graph)
         except BaseException:
@@ -279,10 +283,17 @@ class LeanForward:
         graph's GEMVs, which a session's exact bits need, pay it again for every row), or the
         exact path itself, which a few rows may still favour. Timing a path runs the forward again
         from the same cache lengths, over the same keys and values."""
+        # Decode and verify rows alone, none at position 0 (the attention sink, whose channels
+        # 8 bits a row cannot hold): layers may take their fewer-bit kernels.
+        decode_rows = all(keep > 0 for _, _, keep in items) and min(lengths) > 0
+
         def torch_path() -> list[torch.Tensor]:
-            with kernel_choices.gathered():
-                return self._batch(items, attention_threads=1)
-        if graph is None:
+            with kernel_choices.gathered(decode_rows):
+                return self._batch(items, attention_threads=1, one_call=True)
+        # With prefill chunks, torch's path without timing it: the exact path runs each chunk's
+        # dense matmuls apart, reading every weight once a session (7 sessions' 7-token prompts:
+        # 750 against 240 ms here), and timing both at the first such batch cost its requests 3-5 s.
+        if graph is None or any(keep == 0 for _, _, keep in items):
             return torch_path()
 
         def again(run):
@@ -305,9 +316,11 @@ class LeanForward:
         return self._graph_choice or None
 
     def _batch(self, items: list[tuple[torch.Tensor, StaticKVCache, int]],
-               attention_threads: int = 0) -> list[torch.Tensor]:
+               attention_threads: int = 0, one_call: bool = False) -> list[torch.Tensor]:
         """attention_threads: the torch threads each layer's per-sequence attention runs on
-        (0: as many as the rest of the forward)."""
+        (0: as many as the rest of the forward). one_call: the layers take every call's rows
+        as one call's (gathered batches: one dense matmul reads a weight once for all the
+        sessions' prefill rows, where each call's own read it once per call)."""
         spans = []                                                                       # (rows, start, end)
         for ids, cache, _ in items:
             rows, start = ids.shape[0], cache.length
@@ -331,7 +344,9 @@ class LeanForward:
         offsets = [0]
         for rows, _, _ in spans:
             offsets.append(offsets[-1] + rows)
-        with dense_rows.by_call([rows for rows, _, _ in spans], prefill):  # each call's rows on its own path
+        calls = ([sum(rows for rows, _, _ in spans)], [any(prefill)]) if one_call else \
+            ([rows for rows, _, _ in spans], prefill)
+        with dense_rows.by_call(*calls):  # each call's rows on its own path, or all as one
             x = self._layers(x, items, spans, offsets, cos, sin, masks, by_row, attention_threads)
         for (_, _, end), (_, cache, _) in zip(spans, items):
             cache.length = end

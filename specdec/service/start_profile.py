@@ -37,7 +37,7 @@ from specdec.runtime.cost_curve import CostCurve
 from specdec.weights import registry
 
 log = logging.getLogger(__name__)
-FORMAT = 1             # raised whenever what a profile holds, or how it is read, changes
+FORMAT = 2             # raised whenever what a profile holds, or how it is read, changes
 CHECK_TOLERANCE = 0.3  # a decode step timed at start within this of the saved one: the profile holds ...
 CHECK_FLOOR_MS = 1.0   # ... or within this many ms (a tiny model's 0.3 ms step is mostly noise)
 # Decode steps timed (3 each) before a profile is called stale: a restarted 1.5B verifier's
