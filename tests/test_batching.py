@@ -114,6 +114,12 @@ def test_batches_follow_the_cost_curve_in_arrival_order():
     assert gathered._pick(five) == five and gathered._pick(eight) == eight
     one_call = [Call(8)]
     assert gathered._pick(one_call) == one_call and gathered_cost(40.0, {}) is None
+    # A bucket timed high at warm-up is held to what two smaller batches making it up cost
+    # (16 at 300 beside 8 at 100 reads at most 200), and 16 calls still go together.
+    held = Scheduler(cost=int4_like)
+    held.batch_cost = gathered_cost(31.0, {2: 43.0, 4: 70.0, 8: 100.0, 16: 300.0, 32: 420.0})
+    assert held.batch_cost(16) <= 200.0 and held.batch_cost(8) == pytest.approx(100.0)
+    assert held._pick(many) == many
     noisy = Scheduler(cost=RowCost([100.0, 100.0, 100.0, 100.0, 104.0]))
     calls = [Call(1) for _ in range(5)]
     assert noisy._pick(calls) == calls                        # 20.8 a row against 25: within the tolerance

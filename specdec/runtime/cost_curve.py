@@ -53,7 +53,13 @@ def gathered_cost(one_row_ms: float, costs: dict[int, float]) -> RowCost | None:
     ms = []
     for (lo, lo_ms), (hi, hi_ms) in zip(points, points[1:]):
         ms += [lo_ms + (hi_ms - lo_ms) * (r - lo) / (hi - lo) for r in range(lo, hi)]
-    return RowCost([*ms, points[-1][1]])
+    ms.append(points[-1][1])
+    # A batch never costs more than two smaller ones making it up (it could be run as them):
+    # a bucket timed high once at warm-up (a neighbour's burst) is held to that, where a
+    # start profile would otherwise keep it splitting batches of its rows for good.
+    for n in range(1, len(ms)):
+        ms[n] = min([ms[n], *(ms[a] + ms[n - 1 - a] for a in range(n))])
+    return RowCost(ms)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ def time_gathered_buckets(loaded: LoadedModel, max_sessions: int) -> dict[int, f
     """For each row bucket n up to GATHERED_ROWS (and max_sessions), forwards of n sessions'
     decode rows: the first chooses the kernels for batches of several sessions (lean's
     `_gathered`) and makes their int8 weights before any request waits for it; the least of
-    two more is what such a batch costs, {n: ms}, for the scheduler's batch sizes. Nothing
+    three more is what such a batch costs, {n: ms}, for the scheduler's batch sizes. Nothing
     where batches keep each session's bits (--batch-invariant) or the timed paths are not the CPU's."""
     lean = loaded.lean
     if lean is None or lean.batch_invariant or loaded.device.type != "cpu":
@@ -64,7 +64,7 @@ def time_gathered_buckets(loaded: LoadedModel, max_sessions: int) -> dict[int, f
         for seq in seqs:
             seq.prefill()
         times = []
-        for _ in range(3):
+        for _ in range(4):
             for seq in seqs:    # the same row again: a decode step taken back
                 seq.cache.length = len(prompt) - 1
             begun = time.perf_counter()
