@@ -128,6 +128,19 @@ def coordinator_stub(**config) -> Iterator[coordinator_pb2_grpc.CoordinatorStub]
         yield served.stub
 
 
+@contextlib.contextmanager
+def pair_stub(draft: LoadedModel, target: LoadedModel, **config) -> Iterator[coordinator_pb2_grpc.CoordinatorStub]:
+    """A drafter and a verifier over these models, and a coordinator before them; all stopped afterwards."""
+    servers = [drafter.service.serve(draft), verifier.service.serve(target)]
+    try:
+        with coordinator_stub(drafter=f"127.0.0.1:{servers[0].port}", verifier=f"127.0.0.1:{servers[1].port}",
+                              **config) as stub:
+            yield stub
+    finally:
+        for server in servers:
+            server.stop(0)
+
+
 @dataclass
 class ServedCoordinator:
     stub: coordinator_pb2_grpc.CoordinatorStub

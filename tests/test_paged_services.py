@@ -8,12 +8,10 @@ import concurrent.futures
 
 import pytest
 
-import drafter.service
-import verifier.service
 from specdec.runtime.models import load_model
 from specdec.runtime.paged_forward import PagedCache, PagedForward
 from specdec.v1 import coordinator_pb2 as pb
-from tests.conftest import coordinator_stub
+from tests.conftest import pair_stub
 from tests.test_end_to_end import PROMPTS, generate
 
 
@@ -21,14 +19,8 @@ from tests.test_end_to_end import PROMPTS, generate
 def paged_stack():
     draft, target = load_model("tiny-draft", forward="paged"), load_model("tiny-target", forward="paged")
     assert isinstance(target.lean, PagedForward) and isinstance(draft.lean, PagedForward)
-    servers = [drafter.service.serve(draft), verifier.service.serve(target)]
-    try:
-        with coordinator_stub(drafter=f"127.0.0.1:{servers[0].port}", verifier=f"127.0.0.1:{servers[1].port}",
-                              gamma=4) as stub:
-            yield stub, target
-    finally:
-        for server in servers:
-            server.stop(0)
+    with pair_stub(draft, target, gamma=4) as stub:
+        yield stub, target
 
 
 def test_greedy_output_on_the_static_step_is_target_onlys_and_the_lean_services(paged_stack, stack):

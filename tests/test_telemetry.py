@@ -17,12 +17,10 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-import drafter.service
-import verifier.service
 from specdec.rpc import telemetry
 from specdec_tools import traces
 from specdec.v1 import common_pb2, coordinator_pb2 as pb
-from tests.conftest import coordinator_stub, free_port
+from tests.conftest import free_port, pair_stub
 
 SECRET = "the launch code is 0000"
 
@@ -31,14 +29,10 @@ SECRET = "the launch code is 0000"
 def traced(tiny_target, tiny_draft):
     exporter = InMemorySpanExporter()
     assert telemetry.configure("specdec-test", extra_exporter=exporter)
-    servers = [drafter.service.serve(tiny_draft), verifier.service.serve(tiny_target)]
     try:
-        with coordinator_stub(drafter=f"127.0.0.1:{servers[0].port}", verifier=f"127.0.0.1:{servers[1].port}",
-                              gamma=3) as stub:
+        with pair_stub(tiny_draft, tiny_target, gamma=3) as stub:
             yield stub, exporter
     finally:
-        for server in servers:
-            server.stop(0)
         telemetry.shutdown()
 
 
