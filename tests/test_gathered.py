@@ -23,24 +23,24 @@ def test_a_layers_fewer_bit_kernel_serves_gathered_decode_rows_alone(kernel_stat
     # The fastest kernel keeps 8 bits of a row where the layer's calls need 14: it may run
     # only in batches of decode rows (`gathered(decode_rows=True)`), under a key of its own.
     weight = torch.randn(16, 8)
-    accel = [(backend("eight", 8, 0.0), weight), (backend("fourteen", 14, 0.004), weight)]
+    fewer = [(backend("eight", 8, 0.0), weight)]
+    accel = [(backend("fourteen", 14, 0.004), weight)]
 
     def own(x):
         time.sleep(0.008)
         return x @ weight.t()
     key, x = ("int4", 16, 8), torch.randn(3, 8)
-    kernel_choices.pick_per_layer(key, x, "own", own, accel, min_bits=14)
+    kernel_choices.pick_per_layer(key, x, "own", own, accel, fewer)
     with kernel_choices.gathered():
-        kernel_choices.pick_per_layer(key, x, "own", own, accel, min_bits=14)
+        kernel_choices.pick_per_layer(key, x, "own", own, accel, fewer)
     with kernel_choices.gathered(decode_rows=True):
-        kernel_choices.pick_per_layer(key, x, "own", own, accel, min_bits=14)
+        kernel_choices.pick_per_layer(key, x, "own", own, accel, fewer)
     choices = kernel_state.choices
     assert choices[(*key, 0)] == "fourteen" and choices[(*key, "gathered", 3)] == "fourteen"
     assert choices[(*key, "gathered-decode", 3)] == "eight"
-    # A layer that offers nothing under its bits keeps the gathered choices of every batch.
+    # A layer with no fewer-bit kernel keeps the gathered choices of every batch.
     with kernel_choices.gathered(decode_rows=True):
-        kernel_choices.pick_per_layer(("int4", 4, 8), x, "own", own, [(accel[1][0], torch.randn(4, 8))],
-                                      min_bits=14)
+        kernel_choices.pick_per_layer(("int4", 4, 8), x, "own", own, [(accel[0][0], torch.randn(4, 8))])
     assert ("int4", 4, 8, "gathered", 3) in choices and ("int4", 4, 8, "gathered-decode", 3) not in choices
 
 

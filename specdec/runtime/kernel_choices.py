@@ -167,7 +167,7 @@ def gathered(decode_rows: bool = False) -> Iterator[None]:
     all the layer offers, as vLLM and SGLang batch by default: rows of other sessions may move
     a session's rounding at near-ties. `decode_rows`: every row is a decode or verify row past
     position 0, so a layer may also take the kernels that keep fewer bits of a row than its
-    exact calls need (`pick_per_layer`'s `min_bits`): the gate/up projections' 8-bit pass,
+    exact calls need (`pick_per_layer`'s `decode_rows_only`): the gate/up projections' 8-bit pass,
     whose error on such rows is the attention sink's to make (docs/batching.md)."""
     _GATHERED.append(decode_rows)
     try:
@@ -177,19 +177,19 @@ def gathered(decode_rows: bool = False) -> Iterator[None]:
 
 
 def pick_per_layer(key: tuple, x: torch.Tensor, own_name: str, own: Callable[[torch.Tensor], torch.Tensor],
-                   accel: list[tuple[Backend, object]], min_bits: int = 0) -> torch.Tensor:
+                   accel: list[tuple[Backend, object]],
+                   decode_rows_only: list[tuple[Backend, object]] = ()) -> torch.Tensor:
     """own(x), or one of the per-row kernels `accel` ([(backend, its weight)]) for a layer
     whose rows must come out the same in any call: one choice for every call
     (`pick(..., per_layer=True)`), made on the first and timed at `choose_at`'s rows
     (one by default, a decode step's call: the one a request makes most), whatever rows
     that first call has (a 200-token prompt's prefill chunk, or a warm-up's few rows,
     would otherwise decide: on the AVX2 EPYC they chose kernels that decode 1.5x
-    slower); the output in x's dtype. `min_bits`: the bits of a row its calls need; kernels
-    keeping fewer serve gathered decode rows alone (`gathered(decode_rows=True)`), chosen
-    under a key of their own."""
-    if not accel:
+    slower); the output in x's dtype. `decode_rows_only`: kernels keeping fewer bits of a
+    row than the layer's calls need, offered beside `accel` to gathered decode rows alone
+    (`gathered(decode_rows=True)`), chosen under a key of their own."""
+    if not accel and not decode_rows_only:
         return own(x)
-    exact = [(b, s) for b, s in accel if b.activation_bits >= min_bits]
 
     def calls(x: torch.Tensor, offered: list[tuple[Backend, object]]) -> dict[str, Callable[[], torch.Tensor]]:
         def run(backend: Backend, weight: object) -> torch.Tensor:
@@ -201,13 +201,15 @@ def pick_per_layer(key: tuple, x: torch.Tensor, own_name: str, own: Callable[[to
         return {own_name: lambda: own(x), **{b.name: (lambda b=b, s=s: run(b, s)) for b, s in offered}}
     rows, timed_rows = x.shape[0], state().timed_rows
     if _GATHERED:   # several sessions' rows: the fastest kernel for this bucket (`gathered`)
-        if _GATHERED[-1] and len(exact) < len(accel):
-            return pick((*key, "gathered-decode"), rows, calls(x, accel))
-        return pick((*key, "gathered"), rows, calls(x, exact))
+        if _GATHERED[-1] and decode_rows_only:
+            return pick((*key, "gathered-decode"), rows, calls(x, [*accel, *decode_rows_only]))
+        return pick((*key, "gathered"), rows, calls(x, accel))
+    if not accel:
+        return own(x)
     if rows != timed_rows and (*key, 0) not in state().choices:
         probe = x[torch.arange(timed_rows) % rows]      # the first call's rows, as many as the choice is timed at
-        pick(key, timed_rows, calls(probe, exact), per_layer=True)
-    return pick(key, rows, calls(x, exact), per_layer=True)
+        pick(key, timed_rows, calls(probe, accel), per_layer=True)
+    return pick(key, rows, calls(x, accel), per_layer=True)
 
 
 def saved_choices() -> dict[tuple, str]:

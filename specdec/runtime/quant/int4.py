@@ -244,21 +244,23 @@ class Int4Linear(nn.Module):
                 accel += kernels.prepared("gguf-blocks", (self.gguf_blocks, self.ggml_type,
                                                           self.in_features), reference, per_row=True,
                                           in_features=self.in_features, key=key)
+            decode_rows = []   # kernels keeping fewer bits of a row than GATE_UP_BITS: gathered decode rows'
             if self.int8_activations:
-                # Those keeping 8 bits a row too: gathered decode rows may take them (`_kernel`).
-                accel += kernels.prepared("int8-channel", lambda: per_row_int8(self.dense_weight(torch.float32)),
-                                          reference, per_row=True, activation_bits=DECODE_ROWS_BITS,
-                                          in_features=self.in_features, key=key)
-            self._accel = accel
+                for backend, state in kernels.prepared("int8-channel", lambda: per_row_int8(
+                        self.dense_weight(torch.float32)), reference, per_row=True,
+                        activation_bits=DECODE_ROWS_BITS, in_features=self.in_features, key=key):
+                    (accel if backend.activation_bits >= GATE_UP_BITS else decode_rows).append((backend, state))
+            self._accel, self._accel_decode_rows = accel, decode_rows
         return accel
 
     def __getstate__(self):
         # Saved in the model cache: the accelerated kernels' weights are this machine's, made again on load.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_accel", "_kept_dense")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_accel", "_accel_decode_rows", "_kept_dense")}
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        accel = self._accelerated()
         return kernel_choices.pick_per_layer(("int4", self.out_features, self.in_features), x, "torch-int4", self._int4,
-                                      self._accelerated(), min_bits=GATE_UP_BITS if self.int8_activations else 0)
+                                             accel, self.__dict__.get("_accel_decode_rows", ()))
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         return dense_rows.linear(x, dense_rows.weight(self, self.dense_weight))
