@@ -5,8 +5,10 @@ one step, the prefix cache's pages, and a pool that refuses what it cannot hold.
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 
 import pytest
+import torch
 
 from specdec.runtime.models import load_model
 from specdec.runtime.paged_forward import PagedCache, PagedForward
@@ -64,7 +66,6 @@ def test_a_cached_prefix_is_loaded_into_pages_and_gives_the_same_tokens(paged_st
 def test_a_cache_rolls_back_by_its_length_and_copies_blocks_through_the_arena():
     forward = load_model("tiny-target", forward="paged").lean
     cache = forward.new_cache()
-    import torch
     ids = torch.arange(5, 45)
     forward.batch([(ids, cache, 1)])
     block = cache.block(16, 32)
@@ -78,6 +79,5 @@ def test_a_cache_rolls_back_by_its_length_and_copies_blocks_through_the_arena():
     assert isinstance(cache, PagedCache) and torch.allclose(got[0], got[1], atol=1e-5)
     free = forward.arena.free_pages
     del cache, other
-    import gc
     gc.collect()
     assert forward.arena.free_pages == free + 2 * 3              # both sessions' three pages back

@@ -16,8 +16,7 @@ same logits whatever padding shares their step.
 `PagedRunner` is the host's side: persistent input buffers per bucket at fixed
 addresses, filled from pinned memory by non-blocking copies; a call's rows
 padded to its bucket; on CUDA the bucket's graph, captured at warm-up
-(`capture`), replayed. Greedy tokens are argmaxed on the device and come back
-in one copy.
+(`capture`), replayed.
 """
 from __future__ import annotations
 
@@ -211,25 +210,21 @@ class PagedRunner:
                                       f"{self.max_context}")
         for ids, sequence, _ in items:
             self.arena.reserve(sequence, sequence.length + len(ids))
+        # Fewest rows first, packed into groups that fit the largest bucket; a call past it alone, eager.
         out: list[torch.Tensor | None] = [None] * len(items)
-        group: list[int] = []
-        for j in sorted(range(len(items)), key=lambda j: len(items[j][0])):
-            rows = len(items[j][0])
-            if rows > self.buckets[-1]:
+        group, rows = [], 0
+        for j in sorted(range(len(items)), key=lambda j: len(items[j][0])) + [None]:
+            n = len(items[j][0]) if j is not None else 0
+            if j is not None and n > self.buckets[-1]:
                 out[j] = self._eager(*items[j])
-            elif sum(len(items[k][0]) for k in group) + rows > self.buckets[-1]:
-                out = self._put(out, group, self._bucketed([items[k] for k in group]))
-                group = [j]
-            else:
+                continue
+            if group and (j is None or rows + n > self.buckets[-1]):
+                for k, logits in zip(group, self._bucketed([items[k] for k in group])):
+                    out[k] = logits
+                group, rows = [], 0
+            if j is not None:
                 group.append(j)
-        if group:
-            out = self._put(out, group, self._bucketed([items[k] for k in group]))
-        return out
-
-    @staticmethod
-    def _put(out: list, where: list[int], values: list[torch.Tensor]) -> list:
-        for j, value in zip(where, values):
-            out[j] = value
+                rows += n
         return out
 
     def _bucketed(self, items: Sequence[tuple[Sequence[int], PagedSequence, int]]) -> list[torch.Tensor]:
@@ -276,13 +271,3 @@ class PagedRunner:
         logits = self.step(*inputs, shared=True)
         sequence.length += rows
         return logits[rows - keep:]
-
-    def greedy(self, items: Sequence[tuple[Sequence[int], PagedSequence, int]]) -> list[list[int]]:
-        """As `forward`, the kept rows' argmax: one copy to the host for the whole step."""
-        logits = self.forward(items)
-        tokens = torch.cat(logits).argmax(dim=-1).tolist()
-        out, start = [], 0
-        for part in logits:
-            out.append(tokens[start:start + part.shape[0]])
-            start += part.shape[0]
-        return out

@@ -20,6 +20,7 @@ from specdec.runtime.models import load_model
 from specdec.runtime.paged_step import BUCKETS, PagedRunner
 from specdec.runtime.sequence import SequenceCache
 from specdec.service.warm_up import CURVE_PREFIX, device_clock
+from specdec_tools.gpu.steps import bf16_steps_apart
 
 ROWS = (1, 2, 4, 8, 16)
 MAX_CONTEXT = 256   # the tables' reach: the 128-token prefix and a verification, as the step curve's
@@ -99,7 +100,6 @@ def measure(label: str, path: str, *, device: str, seed: int, bandwidth_gbps: fl
 def greedy_against_lean(loaded, runner: PagedRunner, sequence, prefix: list[int], tokens: int = 16) -> dict:
     """16 greedy steps of each path from the same prefix: the tokens they agree on before the first
     difference, and whether that difference is a tie on the lean forward's logits (two bf16 steps)."""
-    import math
     lean = SequenceCache(loaded, prefix)
     lean.prefill()
     last = prefix[-1]
@@ -109,9 +109,8 @@ def greedy_against_lean(loaded, runner: PagedRunner, sequence, prefix: list[int]
         logits = lean.forward([], keep_last=1)[0][:loaded.vocab_size]
         theirs = int(logits.argmax())
         if mine != theirs:
-            a, b = float(logits[theirs]), float(logits[mine])
-            step = 2.0 ** (math.floor(math.log2(max(abs(a), abs(b), 1e-30))) - 7)
-            return {"agreed": agreed, "of": tokens, "first_difference_bf16_steps": round(abs(a - b) / step, 2)}
+            apart = bf16_steps_apart(float(logits[theirs]), float(logits[mine]))
+            return {"agreed": agreed, "of": tokens, "first_difference_bf16_steps": round(apart, 2)}
         lean.append([theirs])
         last, agreed = theirs, agreed + 1
     return {"agreed": agreed, "of": tokens}

@@ -11,6 +11,7 @@ over a session's KV cache), every timing closed by a synchronize:
 from __future__ import annotations
 
 import gc
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -155,7 +156,6 @@ def row_consistency(loaded: LoadedModel, tokens: int = 16) -> dict:
     tokens + 1 rows. In fp32 on the CPU they agree bit for bit; in bf16 on a GPU
     1-row and k-row kernels sum in other orders, so an argmax may flip, and must
     then be a tie: the two tokens' logits within two bf16 steps of each other."""
-    import math
     ids = _ids(loaded, CURVE_PREFIX)
     decode = SequenceCache(loaded, ids)
     decode.prefill()
@@ -175,8 +175,12 @@ def row_consistency(loaded: LoadedModel, tokens: int = 16) -> dict:
         if mine == steps[i]:
             continue
         differ += 1
-        a, b = float(rows[i][steps[i]]), float(rows[i][mine])
-        step = 2.0 ** (math.floor(math.log2(max(abs(a), abs(b), 1e-30))) - 7)  # bf16: 8 significant bits
-        widest = max(widest, abs(a - b) / step)
+        widest = max(widest, bf16_steps_apart(float(rows[i][steps[i]]), float(rows[i][mine])))
     return {"positions": tokens + 1, "differ": differ, "widest_bf16_steps": round(widest, 2),
             "ties_only": widest <= 2.0}
+
+
+def bf16_steps_apart(a: float, b: float) -> float:
+    """|a - b| in bf16 steps at their magnitude (8 significant bits): two logits within two
+    of them are a tie that 1-row and k-row kernels may break either way."""
+    return abs(a - b) / 2.0 ** (math.floor(math.log2(max(abs(a), abs(b), 1e-30))) - 7)
