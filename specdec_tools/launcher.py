@@ -221,11 +221,11 @@ class StackOptions:
     @property
     def draft_dtype(self) -> str:
         """The dtype the drafter runs in (its quantization's, else the pair's)."""
-        return _dtype(self.pair.draft_dtype, self.draft_quantize)
+        return _dtype(self.pair.draft_dtype, self.draft_quantize, self.device)
 
     @property
     def target_dtype(self) -> str:
-        return _dtype(self.pair.target_dtype, self.target_quantize)
+        return _dtype(self.pair.target_dtype, self.target_quantize, self.device)
 
     @classmethod
     def for_pair(cls, pair: Pair, **overrides) -> "StackOptions":
@@ -242,9 +242,10 @@ class StackOptions:
                       "target_quantize": pair.target_quantize, **given})
 
 
-def _dtype(pair_dtype: str, quantize: str) -> str:
-    # int4 runs its kernel on bf16 activations: the rest of the model runs bf16 too.
-    return "bf16" if quantize == "int4" else pair_dtype
+def _dtype(pair_dtype: str, quantize: str, device: str) -> str:
+    # int4 runs its kernel on bf16 activations: the rest of the model runs bf16 too. So does
+    # INT8 off the CPU (weight-only there, in the model's dtype: quant.int8_device).
+    return "bf16" if quantize == "int4" or (quantize == "int8" and device != "cpu") else pair_dtype
 
 
 def pull_models(names: list[str], say=print) -> None:

@@ -117,4 +117,7 @@ def test_the_default_pairs_q4_0_draft_is_int8_where_llama_cpp_is_missing_or_on_a
                             else real_find_spec(name, *a))
         assert StackOptions.for_pair(pair).draft_quantize == ("q4_0" if installed else "int8")
         assert StackOptions.for_pair(pair, device="cuda").draft_quantize == "int8"
+        # INT8 on a GPU computes in bf16 (quant.int8_device); on the CPU it runs the pair's fp32.
+        assert StackOptions.for_pair(pair, device="cuda").draft_dtype == "bf16"
+        assert StackOptions.for_pair(pair, draft_quantize="int8").draft_dtype == pair.draft_dtype == "fp32"
         assert StackOptions.for_pair(pair, draft_quantize="q4_0").draft_quantize == "q4_0"   # asked for: kept

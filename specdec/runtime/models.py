@@ -174,7 +174,7 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
             except OSError as error:
                 log.warning("could not save the converted model to %s (%s); the next start converts again",
                             entry, error)
-    dtype = quantization.dtype_label(dtype) if quantization is not None else dtype
+    dtype = quantization.dtype_label(dtype, torch_device) if quantization is not None else dtype
     vocab = tokenizer.get_vocab()
     vocab_size = max(vocab.values()) + 1
     model_vocab = int(model.get_input_embeddings().weight.shape[0])

@@ -16,7 +16,10 @@ same logits whatever padding shares their step.
 `PagedRunner` is the host's side: persistent input buffers per bucket at fixed
 addresses, filled from pinned memory by non-blocking copies; a call's rows
 padded to its bucket; on CUDA the bucket's graph, captured at warm-up
-(`capture`), replayed.
+(`capture`), replayed. With `compile` the step is `torch.compile`d whole, once
+per bucket at static shapes (gpt-fast's decode step), before its graph is
+captured: the norms, rotary and activations fuse, and an INT8 weight's cast
+folds into its matmul (quant.int8_device).
 """
 from __future__ import annotations
 
@@ -136,12 +139,20 @@ class PagedRunner:
     largest bucket (a prefill chunk) runs eager, one sequence at a time."""
 
     def __init__(self, forward: LeanForward, arena: KVArena, max_context: int,
-                 buckets: Sequence[int] = BUCKETS, graphs: bool | None = None):
+                 buckets: Sequence[int] = BUCKETS, graphs: bool | None = None, compile: str | None = None):
         self.arena = arena
         self.max_pages = -(-max_context // arena.page_tokens)
         self.max_context = self.max_pages * arena.page_tokens
         self.step = PagedStep(forward, arena, self.max_pages)
         self.buckets = sorted(set(buckets))
+        # `compile`: the backend ("inductor" on a GPU). Static shapes, one compile a (rows, pages)
+        # bucket: a dynamic row count would leave each matmul to an extern kernel over a weight
+        # cast whole first. Prefill chunks (many rows, `shared`) stay eager.
+        self._bucket_step = self.step
+        if compile:
+            limit = len(self.buckets) * (self.context_pages(self.max_context).bit_length() + 1)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+            self._bucket_step = torch.compile(self.step, backend=compile, fullgraph=True, dynamic=False)
         self.device = device = arena.keys.device
         self.graphs = device.type == "cuda" if graphs is None else graphs
         self._pinned = device.type == "cuda"
@@ -192,11 +203,11 @@ class PagedRunner:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.step(*inputs)
+                self._bucket_step(*inputs)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self.step(*inputs)
+            out = self._bucket_step(*inputs)
         self._graphs[(rows, pages)] = (graph, out)
 
     @torch.inference_mode()
@@ -253,7 +264,7 @@ class PagedRunner:
             graph, logits = self._graphs[(size, pages)]
             graph.replay()
         else:
-            logits = self.step(*self._inputs_for(size, pages))
+            logits = self._bucket_step(*self._inputs_for(size, pages))
         for ids, sequence, _ in items:
             sequence.length += len(ids)
         logits = logits[:rows].clone()   # the graph's output is overwritten by the next replay

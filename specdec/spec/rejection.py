@@ -70,16 +70,17 @@ def rejection_sample(
 
 
 def greedy_accept(
-    draft_token_ids: torch.Tensor,   # [gamma] long
-    target_token_ids: torch.Tensor,  # [gamma + 1] the target's argmax at each position
+    draft_token_ids: torch.Tensor,   # [gamma] long, on the host (as they came over the wire)
+    target_token_ids: torch.Tensor,  # [gamma + 1] the target's argmax at each position, where it was computed
 ) -> RejectionOutput:
-    """Temperature 0: accept while the draft equals the target's argmax."""
+    """Temperature 0: accept while the draft equals the target's argmax. The argmax stays on
+    the device; its gamma + 1 ids are the one copy to the host a round makes."""
     gamma = draft_token_ids.shape[0]
     assert draft_token_ids.dim() == 1 and target_token_ids.shape == (gamma + 1,), (
         draft_token_ids.shape, target_token_ids.shape)
-    mismatch = (draft_token_ids.cpu() != target_token_ids[:gamma].cpu()).nonzero()
-    num_accepted = int(mismatch[0]) if mismatch.numel() else gamma
-    return RejectionOutput(num_accepted, int(target_token_ids[num_accepted]), bonus=num_accepted == gamma)
+    target = target_token_ids.tolist()
+    num_accepted = next((i for i, (d, t) in enumerate(zip(draft_token_ids.tolist(), target)) if d != t), gamma)
+    return RejectionOutput(num_accepted, target[num_accepted], bonus=num_accepted == gamma)
 
 
 def synthetic_num_accepted(gamma: int, acceptance: float, generator: torch.Generator) -> int:

@@ -8,14 +8,17 @@
      target (bf16), built with random weights: ms by rows, prefill per token,
      launches and GPU-busy time of a 1-row step, peak memory, and whether a
      verification's argmax is a decode step's (else a bf16 tie);
-  4. the static step (one KV arena, a CUDA graph a row bucket) of the draft and
-     both targets: ms by rows beside the HBM floor (weights at the measured copy
-     bandwidth), and its greedy tokens against the lean forward's;
+  4. the static step (one KV arena, a CUDA graph a row bucket) of the draft (bf16
+     and INT8) and both targets: ms by rows beside the HBM floor (the bytes a step
+     reads at the measured copy bandwidth), and its greedy tokens against the lean
+     forward's;
   5. the real services on the pairs 0.5B -> 1.5B and 0.5B -> 7B at synthetic
      acceptances: target-only and spec ms per token, the RPC cost of a round,
      beside what coordinator/gamma/bound.py predicts from the services' curves
      (and at the acceptance the CPU bench measured for the real pair);
-  6. 2,000 sampled runs of the tiny pair against the target's exact distribution
+  6. the static step under torch.compile (the INT8 draft, the bf16 draft, the 7B),
+     as time allows;
+  7. 2,000 sampled runs of the tiny pair against the target's exact distribution
      (chi-square; fewer where time is short, the count printed).
 
 Each section runs whatever the others did (a failure is shown in its place);
@@ -46,6 +49,8 @@ ACCEPTANCES = (0.6, 0.8, 0.9)
 CHI_RUNS = 2000
 QUICK_CHI_RUNS = 200  # --quick: the suite runs the 2,000-run test itself (test_end_to_end)
 CHI_RESERVE_S = 45.0  # the chi-square's share at the end of the budget
+COMPILE_S = 90.0      # what one model's compiled step is given (compile, capture, timing) before it starts
+COMPILED_ROWS = (1, 2, 4, 8)
 
 
 def environment(device: str, models: dict[str, shapes.Model]) -> dict:
@@ -95,8 +100,8 @@ def step_costs(device: str, models: dict[str, shapes.Model], quick: bool, on_mod
     for label, model, quantize in plan:
         try:
             measured = steps.measure(label, str(model.path), model.parameters, device=device, dtype="bf16",
-                                     quantize=quantize, head_vocab=shapes.PAIR.draft_head_vocab if quantize != "none"
-                                     else 0, seed=SEED, repeats=3 if quick else 5)
+                                     quantize=quantize, head_vocab=_head_vocab(quantize), seed=SEED,
+                                     repeats=3 if quick else 5)
             row = measured.row()
         except Exception as error:  # one model's failure (a missing kernel package) is its row
             row = {"label": label, "error": _error(error)}
@@ -120,14 +125,44 @@ def static_step(device: str, models: dict[str, shapes.Model]) -> dict:
     from specdec_tools.gpu import static
     bandwidth = static.copy_bandwidth_gbps(torch.device(device)) if device.startswith("cuda") else 0.0
     out = []
-    for label, name in (("draft 0.5B bf16", shapes.DRAFT), ("target 1.5B bf16", shapes.TARGET),
-                        ("target 7B bf16", shapes.TARGET_7B)):
+    for label, name, quantize in (("draft 0.5B bf16", shapes.DRAFT, "none"), ("draft 0.5B INT8", shapes.DRAFT, "int8"),
+                                  ("target 1.5B bf16", shapes.TARGET, "none"),
+                                  ("target 7B bf16", shapes.TARGET_7B, "none")):
         try:
-            out.append(static.measure(label, str(models[name].path), device=device, seed=SEED,
-                                      bandwidth_gbps=bandwidth))
+            out.append(static.measure(label, str(models[name].path), device=device, seed=SEED, bandwidth_gbps=bandwidth,
+                                      quantize=quantize, head_vocab=_head_vocab(quantize)))
         except Exception as error:  # one model's failure is its row
             out.append({"label": label, "error": _error(error)})
     return {"copy_gbps": bandwidth, "models": out}
+
+
+def compiled_step(device: str, models: dict[str, shapes.Model], bandwidth_gbps: float, deadline: float) -> dict:
+    """The static step under torch.compile (inductor on a GPU, aot_eager on the CPU) at the rows a
+    draft step and a short verification take: the INT8 draft's cast then folds into its matmuls.
+    A model whose compile would not finish before `deadline` (COMPILE_S each) is left out, said so."""
+    from specdec_tools.gpu import static
+    backend = "inductor" if device.startswith("cuda") else "aot_eager"
+    out, skipped = [], []
+    for label, name, quantize in (("draft 0.5B INT8, compiled", shapes.DRAFT, "int8"),
+                                  ("draft 0.5B bf16, compiled", shapes.DRAFT, "none"),
+                                  ("target 7B bf16, compiled", shapes.TARGET_7B, "none")):
+        if time.monotonic() + COMPILE_S > deadline:
+            skipped.append(f"{label} (time)")
+            continue
+        if quantize == "int8" and not device.startswith("cuda"):
+            skipped.append(f"{label} (the CPU's INT8 is fbgemm's packed kernels, which do not compile)")
+            continue
+        try:
+            out.append(static.measure(label, str(models[name].path), device=device, seed=SEED,
+                                      bandwidth_gbps=bandwidth_gbps, quantize=quantize,
+                                      head_vocab=_head_vocab(quantize), compile=backend, rows=COMPILED_ROWS))
+        except Exception as error:
+            out.append({"label": label, "error": _error(error)})
+    return {"copy_gbps": bandwidth_gbps, "backend": backend, "models": out, "skipped": skipped}
+
+
+def _head_vocab(quantize: str) -> int:
+    return shapes.PAIR.draft_head_vocab if quantize != "none" else 0
 
 
 def draft_path(step_rows: list[dict] | None) -> tuple[str, str]:
@@ -271,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     section("services", lambda: served(device, models, args.quick, questions(payload, 1 if args.quick else 2),
                                        deadline - CHI_RESERVE_S, draft_quantize,
                                        lambda rows: table.partial("services", rows)))
+    static_done = table.value("static step") or {}
+    section("compiled step", lambda: compiled_step(device, models, static_done.get("copy_gbps", 0.0),
+                                                   deadline - CHI_RESERVE_S))
     section("chi-square", lambda: chi_square(device, max(deadline, time.monotonic() + 10),
                                              QUICK_CHI_RUNS if args.quick else CHI_RUNS), correctness=True)
     table.write()

@@ -52,6 +52,10 @@ class Report:
             lines += ["", *step_table(steps)]
         if static := self.value("static step"):
             lines += ["", *static_table(static)]
+        if compiled := self.value("compiled step"):
+            lines += ["", *static_table(compiled, f"torch.compile ({compiled['backend']}) then a CUDA graph a bucket")]
+            if compiled.get("skipped"):
+                lines += [f"- left out: {'; '.join(compiled['skipped'])}"]
         if argmax := self.value("argmax, k rows against 1"):
             lines += ["", f"A verification's argmax against decode steps' (target 1.5B bf16): {argmax}"]
         if pairs := self.value("services"):
@@ -87,13 +91,13 @@ def step_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def static_table(static: dict) -> list[str]:
-    """The static step (one KV arena, a CUDA graph a bucket) by rows, beside the HBM floor."""
+def static_table(static: dict, how: str = "a CUDA graph a bucket") -> list[str]:
+    """The static step (one KV arena, `how`) by rows, beside the HBM floor."""
     rows = static["models"]
     counts = sorted({int(n) for r in rows for n in r.get("rows_ms", {})})
-    head = ["static step", "weights GB", "floor ms", *[f"{n} row{'s' if n > 1 else ''} ms" for n in counts],
+    head = ["static step", "GB read a step", "floor ms", *[f"{n} row{'s' if n > 1 else ''} ms" for n in counts],
             "1 row / floor", "8 rows / 1", "16 rows / 1", "graphs (capture s)", "greedy as the lean forward's"]
-    out = [f"Static step, device copy bandwidth {static['copy_gbps']} GB/s:", "",
+    out = [f"Static step ({how}), device copy bandwidth {static['copy_gbps']} GB/s:", "",
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "error" in r:
@@ -106,7 +110,8 @@ def static_table(static: dict) -> list[str]:
             if "first_difference_bf16_steps" in greedy else "")
         out.append("| " + " | ".join(str(x) for x in [
             r["label"], r["weights_gb"], r.get("floor_ms") or "-", *[f"{ms[n]:.3f}" if n in ms else "-" for n in counts],
-            r.get("one_row_over_floor", "-"), r["ratio_8"], r["ratio_16"], f"{r['graphs']} ({r['capture_s']})",
+            r.get("one_row_over_floor", "-"), r.get("ratio_8", "-"), r.get("ratio_16", "-"),
+            f"{r['graphs']} ({r['capture_s']})",
             agreed]) + " |")
     out += [f"- {r['label']}: graph capture failed, timed eager: {r['capture_error']}"
             for r in rows if r.get("capture_error")]

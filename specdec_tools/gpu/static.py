@@ -40,24 +40,38 @@ def copy_bandwidth_gbps(device: torch.device, gib: float = 1.0, repeats: int = 5
     return round(2 * n * 2 / best / 1e9, 1)
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in model.parameters()) + \
-        sum(t.numel() * t.element_size() for t in model.buffers())
+def read_bytes(model: torch.nn.Module) -> int:
+    """Bytes a step reads: every weight once (a fused layer's parts are views of its storage:
+    counted once), but not an input embedding the head does not share (a step looks up a row)."""
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    shared = head is not None and getattr(head, "weight", None) is embed
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()] if t is not None}
+    if not shared:
+        storages.pop(embed.untyped_storage().data_ptr(), None)
+    return sum(storages.values())
 
 
-def measure(label: str, path: str, *, device: str, seed: int, bandwidth_gbps: float, repeats: int = 5) -> dict:
+def measure(label: str, path: str, *, device: str, seed: int, bandwidth_gbps: float, repeats: int = 5,
+            quantize: str = "none", head_vocab: int = 0, compile: str | None = None,
+            rows: tuple[int, ...] = ROWS) -> dict:
+    """One model's static step: `quantize` and `head_vocab` as the services take them, `compile`
+    a torch.compile backend for the step (PagedRunner), timed at `rows` (captured at those alone)."""
     torch_device = torch.device(device)
-    loaded = load_model(path, dtype="bf16", device=device, random_weights=seed)
+    loaded = load_model(path, dtype="bf16", device=device, quantize=quantize, head_vocab=head_vocab,
+                        random_weights=seed)
     try:
         forward = loaded.lean
         assert forward is not None, "the lean forward does not cover this model"
-        out = {"label": label, "weights_gb": round(weight_bytes(loaded.model) / 1e9, 2)}
+        read = read_bytes(loaded.model)
+        out = {"label": label, "read_bytes": read, "weights_gb": round(read / 1e9, 2)}
         out["floor_ms"] = round(out["weights_gb"] / bandwidth_gbps * 1e3, 3) if bandwidth_gbps else None
         # vLLM's sizing, held down to a quarter here: the services section runs after this one.
         budget = min(device_budget_bytes(torch_device, fraction=0.25), 4 << 30)
         arena = KVArena.sized(len(forward.layers), forward.kv_heads, forward.head_dim, forward.dtype,
                               torch_device, budget)
-        runner = PagedRunner(forward, arena, MAX_CONTEXT, buckets=sorted({*BUCKETS, *ROWS}))
+        runner = PagedRunner(forward, arena, MAX_CONTEXT, buckets=rows if compile else sorted({*BUCKETS, *rows}),
+                             compile=compile)
         started = time.perf_counter()
         try:
             runner.capture()
@@ -67,23 +81,24 @@ def measure(label: str, path: str, *, device: str, seed: int, bandwidth_gbps: fl
             runner._graphs.clear()
         out["capture_s"] = round(time.perf_counter() - started, 1)
         out["graphs"] = runner.graphs
-        ids = [(7 * i + 3) % loaded.vocab_size for i in range(CURVE_PREFIX + max(ROWS))]
+        ids = [(7 * i + 3) % loaded.vocab_size for i in range(CURVE_PREFIX + max(rows))]
         sequence = arena.new_sequence()
         for start in range(0, CURVE_PREFIX, 64):
             runner.forward([(ids[start:start + 64], sequence, 0)])
         clock = device_clock(torch_device)
         out["rows_ms"] = {}
-        for rows in ROWS:
+        for count in rows:
             best = float("inf")
             for _ in range(repeats):
                 sequence.crop(CURVE_PREFIX)
                 started = clock()
-                runner.forward([(ids[CURVE_PREFIX:CURVE_PREFIX + rows], sequence, rows)])
+                runner.forward([(ids[CURVE_PREFIX:CURVE_PREFIX + count], sequence, count)])
                 best = min(best, clock() - started)
-            out["rows_ms"][rows] = round(best * 1e3, 3)
+            out["rows_ms"][count] = round(best * 1e3, 3)
         one = out["rows_ms"][1]
-        out["ratio_8"] = round(out["rows_ms"][8] / one, 2)
-        out["ratio_16"] = round(out["rows_ms"][16] / one, 2)
+        for count in (8, 16):
+            if count in out["rows_ms"]:
+                out[f"ratio_{count}"] = round(out["rows_ms"][count] / one, 2)
         if out["floor_ms"]:
             out["one_row_over_floor"] = round(one / out["floor_ms"], 2)
         sequence.crop(CURVE_PREFIX - 1)   # the prefix's last token is the first step's, as in SequenceCache

@@ -25,7 +25,7 @@ class QuantizeContext:
 class Quantization:
     name: str                                                    # --quantize NAME
     apply: Callable[[nn.Module, QuantizeContext], nn.Module]     # the model, quantized (in place or anew)
-    dtype_label: Callable[[str], str]                            # the loaded dtype as Info reports it
+    dtype_label: Callable[[str, torch.device], str]              # the loaded dtype (on that device) as Info reports it
     needs_gguf: bool = False                                     # built from the GGUF's own blocks
     uses_head_vocab: bool = False                                # --head-vocab means something to it
 

@@ -378,4 +378,4 @@ def _apply(model: nn.Module, ctx: QuantizeContext) -> nn.Module:
     return model
 
 
-register(Quantization("int4", _apply, lambda dtype: f"{dtype}+int4", needs_gguf=True), fusable=[Int4Linear])
+register(Quantization("int4", _apply, lambda dtype, device: f"{dtype}+int4", needs_gguf=True), fusable=[Int4Linear])

@@ -21,7 +21,8 @@ but cost it agreement with the target (0.77 against 0.93 in bf16). So:
   the drafter samples from, and sends, exactly this restricted distribution,
   and the rejection sampler corrects for it.
 
-On CUDA the maintained path is torchao's int8 dynamic quantization.
+Off the CPU (a GPU) the same per-channel codes run weight-only in the model's
+dtype, de-quantized inside the compiled step's matmuls (quant.int8_device).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from torch import nn
 
 from specdec.runtime import dense_rows, kernel_choices, kernels
 from specdec.weights import vocab_rank
-from specdec.rpc.errors import FailedPrecondition
+from specdec.runtime.quant import int8_device
 from specdec.runtime.quant.base import Quantization, register
 
 def _row_scales(weight: torch.Tensor) -> torch.Tensor:
@@ -348,12 +349,13 @@ def quantize_model(model: nn.Module, device: torch.device, *, head_vocab: int = 
 
     head_vocab > 0 also restricts the LM head to that many ids (plus special_ids).
     """
-    if device.type == "cuda":
-        return _quantize_cuda(model)
-    if device.type != "cpu":
-        raise FailedPrecondition(f"int8 quantization supports cpu and cuda, not {device.type}")
-    model = model.float()
     head = model.get_output_embeddings()
+    keep = None
+    if head is not None and 0 < head_vocab < head.weight.shape[0]:
+        keep = head_keep_ids(head.weight.shape[0], head_vocab, special_ids or [], ranking)
+    if device.type != "cpu":
+        return int8_device.quantize_model(model, head, keep)
+    model = model.float()
     # Gated MLPs first, whole; then whatever nn.Linear is left (attention...).
     for kind in (Int8GatedMLP, Int8Linear):
         for parent in list(model.modules()):
@@ -364,8 +366,7 @@ def quantize_model(model: nn.Module, device: torch.device, *, head_vocab: int = 
                     setattr(parent, child_name, Int8Linear.from_linear(child))
     if head is not None:
         weight = head.weight.detach()
-        if 0 < head_vocab < weight.shape[0]:
-            keep = head_keep_ids(weight.shape[0], head_vocab, special_ids or [], ranking)
+        if keep is not None:
             new_head = Int8RestrictedHead(weight, keep, weight.shape[0])
         else:
             new_head = Int8Linear(weight, getattr(head, "bias", None))
@@ -375,16 +376,8 @@ def quantize_model(model: nn.Module, device: torch.device, *, head_vocab: int = 
     return model
 
 
-def _quantize_cuda(model: nn.Module) -> nn.Module:
-    try:
-        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
-    except ImportError as error:
-        raise FailedPrecondition("--quantize int8 on cuda needs torchao: pip install torchao") from error
-    quantize_(model, Int8DynamicActivationInt8WeightConfig())
-    return model
-
-
 register(Quantization(
     "int8", lambda model, ctx: quantize_model(model, ctx.device, head_vocab=ctx.head_vocab,
                                               special_ids=list(ctx.special_ids), ranking=ctx.vocab_ranking),
-    lambda dtype: "fp32+int8", uses_head_vocab=True), fusable=[Int8Linear])
+    lambda dtype, device: "fp32+int8" if device.type == "cpu" else f"{dtype}+int8", uses_head_vocab=True),
+    fusable=[Int8Linear, int8_device.Int8DeviceLinear])

@@ -102,4 +102,4 @@ def quantize_model(model: nn.Module, ctx: QuantizeContext) -> nn.Module:
     return model
 
 
-register(Quantization("q4_0", quantize_model, lambda dtype: "fp32+q4_0", uses_head_vocab=True))
+register(Quantization("q4_0", quantize_model, lambda dtype, device: "fp32+q4_0", uses_head_vocab=True))
