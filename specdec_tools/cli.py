@@ -54,6 +54,11 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     def say(message: str, error: bool = False) -> None:
         print(f"specdec up: {message}", file=sys.stderr if error else sys.stdout, flush=True)
+    if pair.target_from and options.target_model == pair.target:
+        say(f"the {args.pair} pair's target is not in the model registry: download {pair.target_from} into a "
+            f"directory (huggingface-cli download {pair.target_from} --local-dir DIR) and pass --target-model DIR"
+            f"{'' if options.device != 'cpu' else '; it is a GPU pair (--device cuda)'}", error=True)
+        return 2
     stack = launcher.Stack(options)
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

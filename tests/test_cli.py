@@ -111,6 +111,13 @@ def test_up_with_a_mismatched_pair_exits_and_names_the_difference():
     assert "coordinator exited with code 2" in result.stderr
 
 
+def test_up_with_the_gpu_pair_and_no_target_directory_says_where_to_get_the_target():
+    result = specdec("up", "--pair", "qwen-coder-7b", "--port", str(free_port()))
+    assert result.returncode == 2
+    assert "download Qwen/Qwen2.5-Coder-7B-Instruct" in result.stderr and "--target-model DIR" in result.stderr
+    assert "GPU pair (--device cuda)" in result.stderr
+
+
 def child_running(up_pid: int, *words: str) -> int | None:
     """A live child of `specdec up` whose command line has `words` in a row."""
     wanted = [w.encode() for w in words]

@@ -81,3 +81,19 @@ def test_the_seven_b_config_is_the_families_with_the_seven_b_shape():
     small = shapes.small(seven, tokenizer_vocab=512, padding=136)
     assert small["num_hidden_layers"] == len(small["layer_types"]) == 2 and small["vocab_size"] == 648
     assert small["num_attention_heads"] % small["num_key_value_heads"] == 0
+
+
+def test_the_services_run_the_static_step_only_where_it_captured_its_graphs_and_kept_the_tokens():
+    from specdec_tools.gpu.check import services_forward
+    good = {"graphs": True, "greedy": {"agreed": 16, "of": 16}}
+    labels = ("draft 0.5B bf16", "draft 0.5B INT8", "target 1.5B bf16", "target 7B bf16")
+    static = {"models": [{"label": label, **good} for label in labels]}
+    assert services_forward(static)[0] == "paged"
+    tie = {"graphs": True, "greedy": {"agreed": 9, "of": 16, "first_difference_bf16_steps": 1.0}}
+    assert services_forward({"models": [{**m, **tie} for m in static["models"]]})[0] == "paged"
+    for broken, said in (({"graphs": False}, "without graphs"), ({"error": "OOM"}, "failed (OOM)"),
+                         ({"greedy": {"agreed": 3, "of": 16, "first_difference_bf16_steps": 40.0}}, "greedy")):
+        models = [{**m, **broken} if m["label"] == "target 7B bf16" else m for m in static["models"]]
+        forward, why = services_forward({"models": models})
+        assert forward == "lean" and "target 7B bf16" in why and said in why, why
+    assert services_forward(None)[0] == "lean"      # the section failed whole: the lean forward

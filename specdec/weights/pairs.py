@@ -14,6 +14,7 @@ class Pair:
     target_dtype: str = "fp32"
     draft_head_vocab: int = 0   # draft LM head restricted to this many ids (0 = all)
     target_quantize: str = "none"
+    target_from: str = ""       # a target the registry does not ship (too large for its packages): its hub id
 
 
 PAIRS: dict[str, Pair] = {
@@ -25,6 +26,12 @@ PAIRS: dict[str, Pair] = {
     "qwen-coder": Pair(draft="qwen2.5-coder-0.5b-instruct", target="qwen2.5-coder-1.5b-instruct",
                        draft_quantize="q4_0", target_dtype="bf16", target_quantize="int4",
                        draft_head_vocab=32768),
+    # The GPU pair: on a GPU a 1.5B target's step is too short for a separate drafter to pay
+    # over RPC; a 7B's (about 3.5 ms at the HBM limit) is not (docs/gpu.md). Its 15 GB are
+    # the user's own directory (--target-model DIR); the draft is INT8 in bf16 (quant.int8_device).
+    "qwen-coder-7b": Pair(draft="qwen2.5-coder-0.5b-instruct", target="qwen2.5-coder-7b-instruct",
+                          draft_quantize="int8", draft_dtype="bf16", target_dtype="bf16", draft_head_vocab=32768,
+                          target_from="Qwen/Qwen2.5-Coder-7B-Instruct"),
     # A quick real pair: SmolLM2 drafting for itself through INT8.
     "smollm2-self": Pair(draft="smollm2-135m-instruct", target="smollm2-135m-instruct", draft_quantize="int8"),
     "tiny": Pair(draft="tiny-draft", target="tiny-target"),

@@ -177,8 +177,24 @@ def draft_path(step_rows: list[dict] | None) -> tuple[str, str]:
     return "int8", f"INT8: its 1-row step took {int8:.2f} ms" + (f" against bf16's {bf16:.2f}" if bf16 else "")
 
 
+def services_forward(static: dict | None) -> tuple[str, str]:
+    """The services' forward: `--forward paged` (one KV arena, a CUDA graph a bucket) where the
+    static step section captured every bf16 model's graphs and kept its greedy tokens (or parted
+    at a bf16 tie); else the lean forward; and why."""
+    rows = {r["label"]: r for r in (static or {}).get("models", [])}
+    for label in ("draft 0.5B bf16", "target 1.5B bf16", "target 7B bf16"):
+        r = rows.get(label)
+        if r is None or "error" in r or not r.get("graphs"):
+            return "lean", f"lean: the static step of {label} " + (
+                "did not run" if r is None else f"failed ({r['error'][:80]})" if "error" in r else "ran without graphs")
+        greedy = r.get("greedy", {})
+        if greedy.get("agreed") != greedy.get("of") and greedy.get("first_difference_bf16_steps", 99) > 2.0:
+            return "lean", f"lean: the static step of {label} left the lean forward's greedy tokens ({greedy})"
+    return "paged", "paged: every bf16 model's static step captured its graphs and kept the lean forward's tokens"
+
+
 def served(device: str, models: dict[str, shapes.Model], quick: bool, prompts: list[str], deadline: float,
-           draft_quantize: str, on_run) -> list[dict]:
+           draft_quantize: str, forward: str, on_run) -> list[dict]:
     from specdec_tools.gpu import services
     acceptances = [0.8] if quick else list(ACCEPTANCES)
     results = []
@@ -189,7 +205,7 @@ def served(device: str, models: dict[str, shapes.Model], quick: bool, prompts: l
         result = services.serve_pair(
             pair, models[shapes.DRAFT], target, device=device, seed=SEED, draft_dtype="bf16",
             draft_quantize=draft_quantize, head_vocab=shapes.PAIR.draft_head_vocab if draft_quantize != "none"
-            else 0, target_dtype="bf16", acceptances=acceptances, prompts=prompts,
+            else 0, target_dtype="bf16", forward=forward, acceptances=acceptances, prompts=prompts,
             max_new_tokens=12 if quick else 64, deadline=deadline, on_run=lambda r: on_run(results))
         results.append(report.pair_dict(result))
         on_run(results)
@@ -303,8 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     section("static step", lambda: static_step(device, models))
     draft_quantize, why = draft_path(table.value("step costs"))
     table.meta["services' draft"] = why
+    forward, why = services_forward(table.value("static step"))
+    table.meta["services' forward"] = why
     section("services", lambda: served(device, models, args.quick, questions(payload, 1 if args.quick else 2),
-                                       deadline - CHI_RESERVE_S, draft_quantize,
+                                       deadline - CHI_RESERVE_S, draft_quantize, forward,
                                        lambda rows: table.partial("services", rows)))
     static_done = table.value("static step") or {}
     section("compiled step", lambda: compiled_step(device, models, static_done.get("copy_gbps", 0.0),

@@ -98,12 +98,12 @@ def _run(stub, result: PairResult, acceptance: float, system: str, prompts: list
 
 
 def serve_pair(pair: str, draft: Model, target: Model, *, device: str, seed: int, draft_dtype: str,
-               draft_quantize: str, head_vocab: int, target_dtype: str, acceptances: list[float],
+               draft_quantize: str, head_vocab: int, target_dtype: str, forward: str, acceptances: list[float],
                prompts: list[str], max_new_tokens: int, deadline: float, on_run=lambda served: None) -> PairResult:
     """Every system at every acceptance on one pair, until `deadline` (time.monotonic)."""
     result = PairResult(pair)
     sockets = launcher.SocketDir()
-    common = ["--device", device, "--random-weights", str(seed)]
+    common = ["--device", device, "--random-weights", str(seed), "--forward", forward]
     children: list[launcher.Child] = []
     try:
         drafter = launcher.wait_serving(launcher.spawn("drafter", "drafter", [
