@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from specdec.rpc.serving import PARENT_PID_ENV
 from specdec.weights import registry
 from specdec.weights.pairs import Pair
 
@@ -52,7 +53,8 @@ class Child:
         # raises its own to the size of each large block freed, after which KV pages
         # (14.7 MB for 256 tokens of the 1.5B) come from the heap and stay in RSS
         # once their sessions end (+16% after 32 sessions at once); mmapped, they go back.
-        env = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(4 << 20), **os.environ, **self.env}
+        env = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(4 << 20), **os.environ, **self.env,
+               PARENT_PID_ENV: str(os.getpid())}   # it stops when this process is gone (serving.run_until_signal)
         return subprocess.Popen([sys.executable, "-u", *argv], stdin=stdin, stdout=subprocess.PIPE, text=True, env=env)
 
     def spawn_standby(self) -> None:

@@ -206,3 +206,11 @@ def test_second_turns_reuse_the_first_from_the_prefix_caches_and_match_their_col
         assert second["prefill_vs_cold"] > 0 and second["first_token_vs_cold"] > 0
     assert len(report["turn_runs"]) == 2 * 2 * 3        # warm and cold, both temperatures, three systems
     assert "## MT-bench, first and second turns" in (out / "bench.md").read_text()
+
+
+def test_llama_cpp_that_fails_in_its_probe_is_reported_not_run(tmp_path):
+    from specdec_tools.bench.systems import llama_cpp_probe
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(60))        # a header and nothing after it: llama.cpp refuses it
+    why = llama_cpp_probe([broken], threads=1, timeout_s=120)
+    assert why is not None and why.startswith("llama.cpp ended its probe with exit code 1"), why

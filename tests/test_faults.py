@@ -2,8 +2,11 @@
 then restarted on its port; the coordinator draining on SIGTERM."""
 from __future__ import annotations
 
+import os
+import pathlib
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -355,3 +358,28 @@ def test_sigterm_cancels_what_outlives_the_grace_period(models):
             raise
         assert time.monotonic() - started < 10
     assert wait_for(lambda: all(m.active_sessions() == 0 for m in models), 10)
+
+
+@pytest.mark.integration
+def test_a_service_whose_launcher_is_killed_outright_stops_by_itself():
+    # A launcher (as `specdec up` or the bench) that starts a drafter, then dies of SIGKILL
+    # (or a native fault): no signal reaches the drafter, which must not serve on, orphaned.
+    script = ("import sys; from specdec_tools import launcher; "
+              "child = launcher.wait_serving(launcher.spawn('drafter', 'drafter', "
+              "['--model', 'tiny-draft', '--port', '0', '--cost-curve-rows', '0']), 120); "
+              "print(child.process.pid, flush=True); import time; time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        drafter = int(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and pathlib.Path(f"/proc/{drafter}").exists() and \
+            pathlib.Path(f"/proc/{drafter}/stat").read_text().split()[2] != "Z":
+        time.sleep(0.2)
+    gone = not pathlib.Path(f"/proc/{drafter}").exists() or \
+        pathlib.Path(f"/proc/{drafter}/stat").read_text().split()[2] == "Z"
+    if not gone:
+        os.kill(drafter, signal.SIGKILL)
+    assert gone, "the drafter outlived its launcher by 20 s"

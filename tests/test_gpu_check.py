@@ -32,7 +32,7 @@ def test_the_gpu_check_runs_every_section_and_writes_one_table(tmp_path):
     sections = {k: v for k, v in table.items() if k != "meta"}
     assert {name: s["status"] for name, s in sections.items()} == dict.fromkeys(
         ["environment", "tiny pair greedy", "step costs", "argmax, k rows against 1", "static step", "services",
-         "compiled step", "chi-square"], "ok")
+         "compiled step", "transformers generate", "chi-square"], "ok")
     steps = sections["step costs"]["value"]
     assert [s["label"] for s in steps] == ["draft bf16", "draft INT8", "target 1.5B bf16", "target 7B bf16"]
     for step in steps:
@@ -62,9 +62,13 @@ def test_the_gpu_check_runs_every_section_and_writes_one_table(tmp_path):
         assert all(r["synthetic"] == pytest.approx(0.8) and r["ms_per_token"] > 0 for r in runs.values())
         assert runs["γ=4"]["gamma_last"] == 4 and 1.0 < runs["γ=4"]["mean_accepted_length"] <= 5.0
         assert runs["γ=1"]["rpc_ms_per_round"] is not None
+    generate = sections["transformers generate"]["value"]["models"]
+    assert [g["label"] for g in generate] == ["target 7B bf16", "target 1.5B bf16"]
+    assert all(g["decode_ms_per_token"] > 0 and g["compiled"] == torch.cuda.is_available() for g in generate)
     assert sections["chi-square"]["value"]["runs"] == 200   # --quick's; 2,000 in the full check
     markdown = (tmp_path / "out" / "gpu_check.md").read_text()
     assert "| model | B params |" in markdown and "| static step | GB read a step |" in markdown and "bound.py on the services' curves" in markdown
+    assert "| services target-only ms / token |" in markdown
 
 
 def test_the_seven_b_config_is_the_families_with_the_seven_b_shape():

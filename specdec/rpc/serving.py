@@ -7,6 +7,7 @@ grace period), and flushes telemetry. Message sizes are set explicitly.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -163,15 +164,25 @@ def catch_stop_signals() -> threading.Event:
     return stopping
 
 
+# Set by the launcher (specdec up, bench, load) in the services it starts: its pid. A
+# service whose launcher is gone (killed, or ended by a native fault) stops as on SIGTERM
+# rather than serving on with no one to stop it.
+PARENT_PID_ENV = "SPECDEC_PARENT_PID"
+
+
 def run_until_signal(running: RunningServer, grace_s: float = 10.0, on_stop: Callable[[], None] | None = None,
                      stopping: threading.Event | None = None) -> None:
-    """Block until SIGTERM/SIGINT (`stopping`, from catch_stop_signals), then
-    NOT_SERVING, graceful stop (in-flight calls get grace_s), flush spans."""
+    """Block until SIGTERM/SIGINT (`stopping`, from catch_stop_signals) or the end of the
+    launcher that started this process, then NOT_SERVING, graceful stop (in-flight calls get
+    grace_s), flush spans."""
     stopping = stopping or catch_stop_signals()
+    launcher = int(os.environ.get(PARENT_PID_ENV) or 0)
     # Waking now and then: a signal delivered to another thread only sets a flag,
     # and Python runs the handler when the main thread next runs Python code.
     while not stopping.wait(0.2):
-        pass
+        if launcher and os.getppid() != launcher:
+            log.warning("the launcher that started this service (pid %d) is gone: NOT_SERVING, draining", launcher)
+            break
     running.stop(grace_s)
     if on_stop:
         on_stop()

@@ -19,7 +19,8 @@ from specdec_tools.bench.data import (AUTO, AUTO_BF16, AUTO_MODEL, AUTO_NOSTOP, 
                                       TARGET_ONLY_BF16, load_questions, task_of)
 from specdec_tools.bench.report import (best_gamma, chart, markdown, summarize, turn_markdown, turn_summary,
                                         within)
-from specdec_tools.bench.systems import InProcessSystems, LlamaCppSystems, ServiceSystems, chat_ids, service_curves
+from specdec_tools.bench.systems import (InProcessSystems, LlamaCppSystems, ServiceSystems, chat_ids, llama_cpp_probe,
+                                         service_curves)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -103,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         systems += [HF_GENERATE, HF_ASSISTED]
     say = lambda message: print(f"bench: {message}", file=sys.stderr, flush=True)  # noqa: E731
     launcher.pull_models([pair.draft, pair.target], say=say)
+    ggufs = [g for g in (gguf_source(pair.target), gguf_source(pair.draft)) if g is not None]
+    if args.llama_cpp and (why := llama_cpp_probe(ggufs, args.threads)):
+        say(f"--llama-cpp: llama.cpp does not run on this machine, its systems are left out: {why}")
+        args.llama_cpp = False
+        systems = [s for s in systems if not s.startswith(LLAMA_CPP)]
     options = launcher.StackOptions.for_pair(pair, port=0, threads=args.threads, device=args.device)
     stack = launcher.Stack(options)
     stacks = [stack]

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import pathlib
+import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -128,6 +131,35 @@ class _FirstToken(BaseStreamer):
 
     def end(self) -> None:
         pass
+
+
+# The probe: both GGUFs loaded as the bench loads them, a few tokens decoded from each.
+_PROBE = """
+import sys
+from llama_cpp import Llama
+for path in sys.argv[2:]:
+    llm = Llama(model_path=path, n_threads=int(sys.argv[1]), n_ctx=256, verbose=False)
+    for _, _ in zip(llm.generate(llm.tokenize(b"def add(a, b):"), reset=True, temp=0.0), range(4)):
+        pass
+"""
+
+
+def llama_cpp_probe(ggufs: list[pathlib.Path], threads: int, timeout_s: float = 300.0) -> str | None:
+    """None where llama.cpp loads each GGUF and decodes a few tokens in a child process; else
+    why not. llama.cpp picks its kernels at load and a native fault ends the process that runs
+    them (on an AMX Xeon VM its AMX matmul took a general protection fault), so the bench
+    asks a child first and runs without its systems rather than dying with them."""
+    try:
+        result = subprocess.run([sys.executable, "-c", _PROBE, str(threads), *map(str, ggufs)],
+                                capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"its probe did not finish in {timeout_s:.0f} s"
+    if result.returncode == 0:
+        return None
+    code = result.returncode
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    said = result.stderr.strip().splitlines()[-1:]
+    return f"llama.cpp ended its probe with {how}" + (f" ({said[0][:200]})" if said else "")
 
 
 class LlamaCppSystems:

@@ -18,7 +18,9 @@
      (and at the acceptance the CPU bench measured for the real pair);
   6. the static step under torch.compile (the INT8 draft, the bf16 draft, the 7B),
      as time allows;
-  7. 2,000 sampled runs of the tiny pair against the target's exact distribution
+  7. transformers' generate() (static cache, torch.compile) on the targets' random
+     weights beside target-only through the services, as time allows;
+  8. 2,000 sampled runs of the tiny pair against the target's exact distribution
      (chi-square; fewer where time is short, the count printed).
 
 Each section runs whatever the others did (a failure is shown in its place);
@@ -51,6 +53,7 @@ QUICK_CHI_RUNS = 200  # --quick: the suite runs the 2,000-run test itself (test_
 CHI_RESERVE_S = 45.0  # the chi-square's share at the end of the budget
 COMPILE_S = 90.0      # what one model's compiled step is given (compile, capture, timing) before it starts
 COMPILED_ROWS = (1, 2, 4, 8)
+LATE_RESERVE_S = 150.0  # kept from the services for the compiled step and transformers' generate()
 
 
 def environment(device: str, models: dict[str, shapes.Model]) -> dict:
@@ -159,6 +162,23 @@ def compiled_step(device: str, models: dict[str, shapes.Model], bandwidth_gbps: 
         except Exception as error:
             out.append({"label": label, "error": _error(error)})
     return {"copy_gbps": bandwidth_gbps, "backend": backend, "models": out, "skipped": skipped}
+
+
+def transformers_generate(device: str, models: dict[str, shapes.Model], quick: bool, deadline: float) -> dict:
+    """transformers' generate() (static cache, torch.compile) on the targets' random weights: what
+    target-only through the services is held against. The 7B first; each only where COMPILE_S remain."""
+    from specdec_tools.gpu import hf_baseline
+    out, skipped = [], []
+    for label, name in (("target 7B bf16", shapes.TARGET_7B), ("target 1.5B bf16", shapes.TARGET)):
+        if time.monotonic() + COMPILE_S > deadline:
+            skipped.append(f"{label} (time)")
+            continue
+        try:
+            out.append(hf_baseline.decode_ms_per_token(label, str(models[name].path), device=device, seed=SEED,
+                                                       new_tokens=12 if quick else 64))
+        except Exception as error:
+            out.append({"label": label, "error": _error(error)})
+    return {"models": out, "skipped": skipped}
 
 
 def _head_vocab(quantize: str) -> int:
@@ -322,11 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     forward, why = services_forward(table.value("static step"))
     table.meta["services' forward"] = why
     section("services", lambda: served(device, models, args.quick, questions(payload, 1 if args.quick else 2),
-                                       deadline - CHI_RESERVE_S, draft_quantize, forward,
+                                       deadline - CHI_RESERVE_S - LATE_RESERVE_S, draft_quantize, forward,
                                        lambda rows: table.partial("services", rows)))
     static_done = table.value("static step") or {}
     section("compiled step", lambda: compiled_step(device, models, static_done.get("copy_gbps", 0.0),
                                                    deadline - CHI_RESERVE_S))
+    section("transformers generate", lambda: transformers_generate(device, models, args.quick,
+                                                                   deadline - CHI_RESERVE_S))
     section("chi-square", lambda: chi_square(device, max(deadline, time.monotonic() + 10),
                                              QUICK_CHI_RUNS if args.quick else CHI_RUNS), correctness=True)
     table.write()

@@ -62,6 +62,8 @@ class Report:
             cpu = (self.meta.get("cpu_acceptance") or {}).get("greedy")
             for pair in pairs:
                 lines += ["", *pair_table(pair, cpu)]
+        if hf := self.value("transformers generate"):
+            lines += ["", *generate_table(hf, pairs or [])]
         for name in ("tiny pair greedy", "chi-square"):
             if value := self.value(name):
                 lines += ["", f"{name}: {value}"]
@@ -115,6 +117,27 @@ def static_table(static: dict, how: str = "a CUDA graph a bucket") -> list[str]:
             agreed]) + " |")
     out += [f"- {r['label']}: graph capture failed, timed eager: {r['capture_error']}"
             for r in rows if r.get("capture_error")]
+    return out
+
+
+def generate_table(hf: dict, pairs: list[dict]) -> list[str]:
+    """transformers' generate() beside target-only through the services, decode ms per token."""
+    served = {"target 1.5B bf16": "0.5B -> 1.5B", "target 7B bf16": "0.5B -> 7B"}
+    services = {p["pair"]: next((r["ms_per_token"] for r in p.get("runs", []) if r["system"] == "target-only"), None)
+                for p in pairs}
+    out = ["transformers' generate() (static cache, torch.compile) against target-only through the services:", "",
+           "| target | generate() ms / token | compiled (warm-up s) | services target-only ms / token | "
+           "services / generate() |", "|---|---|---|---|---|"]
+    for r in hf["models"]:
+        if "error" in r:
+            out.append(f"| {r['label']} | - | - | - | {r['error']} |")
+            continue
+        mine = services.get(served.get(r["label"], ""))
+        ratio = f"{mine / r['decode_ms_per_token']:.2f}" if mine and r["decode_ms_per_token"] > 0 else "-"
+        out.append(f"| {r['label']} | {r['decode_ms_per_token']:.3f} | {r['compiled']} ({r['warm_up_s']}) | "
+                   f"{mine if mine is not None else '-'} | {ratio} |")
+    if hf.get("skipped"):
+        out.append(f"- left out: {'; '.join(hf['skipped'])}")
     return out
 
 
