@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What the GPU check needs on a machine with no network (docs/gpu.md), made here:
 #   .whl/  cp312 manylinux wheels of the project's imports the GPU image lacks, at the
-#          versions this checkout's environment runs (torchao at the version pinned below)
+#          versions this checkout's environment runs
 #   .gpu/  the qwen-coder pair's configs and shared tokenizer, a 7B-class target's
 #          config of the same family, the Spec-Bench dev questions, and the acceptance
 #          the CPU bench measured for the real pair (specdec_tools/gpu/payload.py)
@@ -12,7 +12,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-TORCHAO=0.18.0   # the CUDA INT8 draft's kernels; its pure-Python path runs on torch 2.11 too
 
 # The image has torch, transformers, numpy, grpcio and protobuf (older than the generated
 # code needs: carried too), but none of these.
@@ -34,7 +33,7 @@ rm -rf .whl && mkdir -p .whl
 "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
-    -d .whl $pins "torchao==$TORCHAO"
+    -d .whl $pins
 "$PYTHON" -m specdec_tools.gpu.payload --out .gpu "$@"
 echo "gpu_payload: .whl $(du -sh .whl | cut -f1) ($(ls .whl | wc -l) wheels), .gpu $(du -sh .gpu | cut -f1);" \
      "together $(du -csm .whl .gpu | tail -1 | cut -f1) MiB of the 64 MiB a device call carries"
