@@ -43,6 +43,7 @@ def rejection_sample(
         uniforms = torch.rand(gamma + 1, 2, generator=uniforms, device=uniforms.device, dtype=torch.float64)
     uniforms = uniforms.to(target_probs.device)
     assert uniforms.shape == (gamma + 1, 2), uniforms.shape
+    draft_token_ids = draft_token_ids.to(target_probs.device)
 
     # 1. Free drafts: the target's own sample at the position, kept where it is the draft.
     samples = sample_at(target_probs[:free], uniforms[:free, 0]) if free else draft_token_ids[:0]   # [free]
@@ -52,21 +53,19 @@ def rejection_sample(
     ids = draft_token_ids[free:]
     kept = uniforms[free:gamma, 0] * draft_probs[model - free, ids].double() < target_probs[model, ids].double()
     accepted = torch.cat([samples == draft_token_ids[:free], kept])               # [gamma] bool
-    rejected = (~accepted).nonzero()
-    num_accepted = int(rejected[0]) if rejected.numel() else gamma
 
-    # 3. The recovered token at the first rejection, or the bonus token after all.
-    if num_accepted < free:
-        next_token = int(samples[num_accepted])
-    elif num_accepted < gamma:
-        residual = (target_probs[num_accepted] - draft_probs[num_accepted - free]).clamp_min(0)
-        # A rejection needs p(x) < q(x) somewhere, so p - q has positive mass; the
-        # guard only covers float round-off when p and q are (almost) equal.
-        row = residual if residual.sum() > 0 else target_probs[num_accepted]
-        next_token = int(sample_at(row[None], uniforms[num_accepted, 1:])[0])
-    else:
-        next_token = int(sample_at(target_probs[gamma:], uniforms[gamma, :1])[0])
-    return RejectionOutput(num_accepted, next_token, bonus=num_accepted == gamma)
+    # 3. Every position's next token, drawn where it is (on a GPU, with no value read back):
+    #    a free draft's position its own sample, a model draft's its recovered token, from
+    #    norm(max(0, p - q)); the bonus token after all. A rejection needs p(x) < q(x), so
+    #    p - q has positive mass; the fallback to p covers float round-off where p ~ q.
+    residual = (target_probs[free:gamma] - draft_probs).clamp_min(0)                        # [gamma - free, V]
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target_probs[free:gamma])
+    nexts = torch.cat([samples, sample_at(residual, uniforms[free:gamma, 1]),
+                       sample_at(target_probs[gamma:], uniforms[gamma, :1])])                # [gamma + 1]
+    # 4. The drafts kept (the leading run of accepted) and the token after them: one copy to the host.
+    num_accepted = accepted.long().cumprod(0).sum()
+    num_accepted, *nexts = torch.cat([num_accepted[None], nexts]).tolist()
+    return RejectionOutput(num_accepted, nexts[num_accepted], bonus=num_accepted == gamma)
 
 
 def greedy_accept(
