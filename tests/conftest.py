@@ -11,6 +11,8 @@ from typing import Iterator
 
 import grpc
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import drafter.service
 import verifier.service
@@ -184,3 +186,15 @@ def kernel_state():
     from specdec.runtime import kernel_choices
     with kernel_choices.scope() as state:
         yield state
+
+
+class NoHostReads(TorchDispatchMode):
+    """Within: an op that reads a tensor's value back to the host (int(), bool(), .item(),
+    nonzero) raises. On a GPU each such read waits for all the work queued before it."""
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+             torch.ops.aten.is_nonzero.default, torch.ops.aten.nonzero.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            raise AssertionError(f"{func} reads a value back to the host")
+        return func(*args, **(kwargs or {}))

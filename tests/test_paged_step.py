@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specdec.rpc.errors import InvalidArgument, ResourceExhausted
@@ -14,6 +13,7 @@ from specdec.runtime import lean
 from specdec.runtime.kv_arena import PAGE_TOKENS, SCRATCH_PAGE, KVArena
 from specdec.runtime.models import load_model
 from specdec.runtime.paged_step import PagedRunner
+from tests.conftest import NoHostReads
 
 ATOL = 5e-5   # fp32 sums in SDPA's order against the lean forward's bmm: 1e-5 apart on logits of size ~5
 
@@ -119,16 +119,7 @@ def test_a_step_compiles_whole_and_syncs_nothing_and_the_arena_never_moves(forwa
     runner.forward([([50, 51, 52], sequence, 3)])                 # the bucket's buffers now hold a real call
     sequence.crop(30)                                             # and again from where that call started
 
-    # A value read back to the host: item() (as inference mode dispatches it) and what it decomposes to.
-    reads = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
-             torch.ops.aten.is_nonzero.default, torch.ops.aten.nonzero.default}
-
-    class NoHostSync(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in reads:
-                raise AssertionError(f"{func} reads a value back to the host inside a step")
-            return func(*args, **(kwargs or {}))
-    with torch.inference_mode(), NoHostSync():
+    with torch.inference_mode(), NoHostReads():
         eager = runner.step(*inputs)
     with torch.inference_mode():
         compiled = torch.compile(runner.step, fullgraph=True, backend="aot_eager")(*inputs)   # raises on a break
