@@ -49,3 +49,14 @@ def test_a_pooled_cache_computes_what_an_unpooled_one_does(tiny_target):
     pooled = SequenceCache(tiny_target, ids, KVPool(4 * kv_cache.CHUNK, tiny_target.lean.token_bytes()))
     plain = SequenceCache(tiny_target, ids)
     assert torch.equal(pooled.forward([1], keep_last=1), plain.forward([1], keep_last=1))
+
+
+def test_the_default_budget_is_a_share_of_the_gpus_free_memory_on_a_gpu_and_of_ram_on_the_cpu(monkeypatch):
+    # The GPU's driver is the boundary here: no GPU on this machine.
+    import psutil
+
+    from specdec.service import model_service
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 30, 80 << 30))
+    assert model_service.available_memory(torch.device("cuda", 0)) == 3 << 30
+    on_cpu = model_service.available_memory(torch.device("cpu"))
+    assert on_cpu != 3 << 30 and on_cpu <= psutil.virtual_memory().available

@@ -206,16 +206,21 @@ def batch_stats(stats: CallStats, pending_calls: int) -> common_pb2.BatchStats:
 
 def kv_pool(loaded: LoadedModel, kv_cache_mb: float) -> KVPool | None:
     """The service's KV cache budget: --kv-cache-mb, or with 0 a share of the memory
-    available at start. None for a model on transformers' forward (its own cache)."""
+    available at start where the caches live (the GPU's free memory on a GPU, after the
+    weights: the drafter, started first, leaves the verifier the rest). None for a model on
+    transformers' forward (its own cache)."""
     if loaded.lean is None:
         return None
-    budget = kv_cache_mb * 2**20 if kv_cache_mb > 0 else KV_SHARE_OF_AVAILABLE * available_memory()
+    budget = kv_cache_mb * 2**20 if kv_cache_mb > 0 else KV_SHARE_OF_AVAILABLE * available_memory(loaded.device)
     return KVPool.of_bytes(int(budget), loaded.lean.token_bytes())
 
 
-def available_memory() -> int:
-    """Bytes this process can still take: the machine's available memory, or less
-    under a cgroup limit (a container's: psutil sees the host's memory there)."""
+def available_memory(device: torch.device | None = None) -> int:
+    """Bytes this process can still take: a GPU's free memory for a CUDA device; else the
+    machine's available memory, or less under a cgroup limit (a container's: psutil sees
+    the host's memory there)."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
     available = psutil.virtual_memory().available
     for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes",

@@ -64,7 +64,8 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
                                 "$SPECDEC_VERIFIER_COST_CURVE where set")),
     S("--kv-cache-mb", dict(type=float, default=0.0,
                             help="KV cache budget of all sessions together; growth past it is refused with "
-                                 "RESOURCE_EXHAUSTED (0 = 40%% of the memory available at start)"), up=True, chart=True,
+                                 "RESOURCE_EXHAUSTED (0 = 40%% of the memory available at start; on a GPU, of its "
+                                 "free memory)"), up=True, chart=True,
       values="kvCacheMb"),
     S("--prefill-chunk", dict(type=int, default=256,
                               help="prompt tokens per prefill forward: a long prompt holds up other sessions' rounds "
