@@ -201,7 +201,11 @@ def test_a_quantization_is_one_module_and_a_registration():
     from specdec.runtime.quant.int4 import Int4Linear
     assert {"int4", "int8", "q4_0"} <= set(QUANTIZATIONS)   # the built-in ones; a new one needs no line here
     assert QUANTIZATIONS["int4"].needs_gguf and QUANTIZATIONS["int8"].uses_head_vocab
-    assert QUANTIZATIONS["int4"].dtype_label("bf16") == "bf16+int4"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert QUANTIZATIONS["int4"].dtype_label("bf16", cpu) == "bf16+int4"
+    # INT8 runs fp32 activations on the CPU, the model's dtype off it (quant.int8_device).
+    assert (QUANTIZATIONS["int8"].dtype_label("bf16", cpu), QUANTIZATIONS["int8"].dtype_label("bf16", cuda)) == \
+        ("fp32+int8", "bf16+int8")
     dense = [torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)]
     assert fuse(dense) is None  # no registered kind fuses bf16 Linear layers: the lean forward runs them apart
     assert Int4Linear in FUSABLE  # int4 layers fuse q/k/v and gate/up
