@@ -54,7 +54,7 @@ def test_the_gpu_check_runs_every_section_and_writes_one_table(tmp_path):
         greedy = step["greedy"]   # the same tokens, or parted by a bf16 tie
         assert greedy["agreed"] == greedy["of"] == 16 or greedy["first_difference_bf16_steps"] <= 2.0, step
     pairs = sections["services"]["value"]
-    assert [p["pair"] for p in pairs] == ["0.5B -> 1.5B", "0.5B -> 7B"]
+    assert [p["pair"] for p in pairs] == ["0.5B -> 7B", "0.5B -> 1.5B"]
     for pair in pairs:
         assert pair["draft_curve"] and len(pair["verify_curve"]) >= 5 and not pair["skipped"]
         runs = {r["system"]: r for r in pair["runs"]}
