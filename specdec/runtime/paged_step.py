@@ -151,7 +151,9 @@ class PagedRunner:
         self._bucket_step = self.step
         if compile:
             limit = len(self.buckets) * (self.context_pages(self.max_context).bit_length() + 1)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+            config = torch._dynamo.config   # cache_size_limit before torch 2.6
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, name, max(getattr(config, name), limit))
             self._bucket_step = torch.compile(self.step, backend=compile, fullgraph=True, dynamic=False)
         self.device = device = arena.keys.device
         self.graphs = device.type == "cuda" if graphs is None else graphs
