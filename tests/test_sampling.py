@@ -9,7 +9,7 @@ from scipy import stats
 
 from specdec.rpc.errors import InvalidArgument
 from specdec.spec.sampling import SamplingConfig
-from specdec.spec.transform import make_generator, sample_from, scores_to_probs, transform_logits
+from specdec.spec.transform import make_generator, sample_at, sample_from, scores_to_probs, transform_logits
 from specdec.spec.wire import sampling_from_proto, sampling_to_proto
 from specdec.spec.draft_probs import decode_probs, encode_probs, round_probs_for_wire
 from specdec.v1 import common_pb2
@@ -130,6 +130,14 @@ def test_sample_from_is_reproducible_for_a_seed_and_finds_a_lone_last_id():
     last = torch.zeros(10)
     last[-1] = 1e-30  # all the mass on the last id, and a tiny one
     assert all(sample_from(last, torch.Generator().manual_seed(s)) == 9 for s in range(20))
+
+
+def test_a_point_at_a_rows_total_takes_its_last_id_of_positive_probability():
+    # A uniform times the total can round to the total itself: past every id. The row's last
+    # id with probability then, not one with none (trailing zeros: a truncated distribution's).
+    probs = torch.tensor([[0.2, 0.3, 0.5, 0.0, 0.0], [0.0, 0.6, 0.0, 0.4, 0.0]])
+    assert sample_at(probs, torch.tensor([1.0, 1.0], dtype=torch.float64)).tolist() == [2, 3]
+    assert sample_at(probs, torch.tensor([0.25, 0.7], dtype=torch.float64)).tolist() == [1, 3]
 
 
 @pytest.mark.parametrize("temperature", [2.0 ** -126, 1e-30, 3e-38])

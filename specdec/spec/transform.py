@@ -121,10 +121,11 @@ def sample_at(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     points = uniforms.to(device=cumulative.device, dtype=torch.float64) * cumulative[:, -1]
     # Ids of zero probability add nothing to the sum, so they are never drawn.
     ids = torch.searchsorted(cumulative, points[:, None], right=True)[:, 0]
-    # point == total, reachable only by rounding: the row's last id of positive probability.
-    # Computed for every row rather than asked whether any needs it: asking reads a value
-    # back to the host, which on a GPU waits for everything queued before it.
-    last = torch.where(probs > 0, torch.arange(probs.shape[1], device=probs.device), -1).amax(dim=-1)
+    # point == total, reachable only by rounding: the id where the running sum reaches the total
+    # (the last of positive probability). Found for every row, a search, rather than asked
+    # whether any row needs it: asking reads a value back to the host, which on a GPU waits
+    # for all the work queued before it.
+    last = torch.searchsorted(cumulative, cumulative[:, -1:])[:, 0]
     return torch.where(ids >= probs.shape[1], last, ids)
 
 
