@@ -1,12 +1,12 @@
 """transformers' own decoding as a GPU user would run it, for the GPU check: the
-same random weights (the seed the services build from), `generate()` greedy
-over a static cache, its forward under torch.compile: transformers compiles it
-itself on a GPU where a static cache is asked for (its CompileConfig:
-"reduce-overhead", CUDA graphs); an older one without that is handed
-`torch.compile(model.forward, mode="reduce-overhead")`, its documented recipe. Decode ms per
-token is the difference of two generations (64 new tokens and 1) from one
-128-token prompt, synchronized: what target-only through the services is
-held against (within 1.2x, issue 48). On the CPU it runs eager, to run at all.
+same random weights (the seed the services build from), `generate()` greedy over
+a static cache, its forward under torch.compile. transformers compiles it itself
+on a GPU where a static cache is asked for (its CompileConfig: "reduce-overhead",
+CUDA graphs); an older one without that is handed `torch.compile(model.forward,
+mode="reduce-overhead")`, its documented recipe. Decode ms per token is the
+difference of two generations (64 new tokens and 1) from one 128-token prompt
+(the step curves' prefix), synchronized: what target-only through the services
+is held against (the aim: within 1.2x). On the CPU it runs eager, to run at all.
 """
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ import time
 
 import torch
 
+from specdec.service.warm_up import CURVE_PREFIX
 from specdec.weights import synthetic
-
-PROMPT_TOKENS = 128
 
 
 def decode_ms_per_token(label: str, path: str, *, device: str, seed: int, new_tokens: int = 64,
@@ -37,7 +36,7 @@ def decode_ms_per_token(label: str, path: str, *, device: str, seed: int, new_to
 def _timed(model, new_tokens: int, compile: bool, repeats: int) -> dict:
     device = model.device
     vocab = model.config.vocab_size
-    ids = torch.tensor([[(7 * i + 3) % vocab for i in range(PROMPT_TOKENS)]], device=device)
+    ids = torch.tensor([[(7 * i + 3) % vocab for i in range(CURVE_PREFIX)]], device=device)
     if compile and not hasattr(model, "_valid_auto_compile_criteria"):   # no auto-compile in this transformers
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
