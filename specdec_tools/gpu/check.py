@@ -54,6 +54,9 @@ CHI_RESERVE_S = 45.0  # the chi-square's share at the end of the budget
 COMPILE_S = 90.0      # what one model's compiled step is given (compile, capture, timing) before it starts
 COMPILED_ROWS = (1, 2, 4, 8)
 LATE_RESERVE_S = 150.0  # kept from the services for the compiled step and transformers' generate()
+# The static step section's models: (label, model, quantize).
+STATIC_MODELS = (("draft 0.5B bf16", shapes.DRAFT, "none"), ("draft 0.5B INT8", shapes.DRAFT, "int8"),
+                 ("target 1.5B bf16", shapes.TARGET, "none"), ("target 7B bf16", shapes.TARGET_7B, "none"))
 
 
 def environment(device: str, models: dict[str, shapes.Model]) -> dict:
@@ -128,9 +131,7 @@ def static_step(device: str, models: dict[str, shapes.Model]) -> dict:
     from specdec_tools.gpu import static
     bandwidth = static.copy_bandwidth_gbps(torch.device(device)) if device.startswith("cuda") else 0.0
     out = []
-    for label, name, quantize in (("draft 0.5B bf16", shapes.DRAFT, "none"), ("draft 0.5B INT8", shapes.DRAFT, "int8"),
-                                  ("target 1.5B bf16", shapes.TARGET, "none"),
-                                  ("target 7B bf16", shapes.TARGET_7B, "none")):
+    for label, name, quantize in STATIC_MODELS:
         try:
             out.append(static.measure(label, str(models[name].path), device=device, seed=SEED, bandwidth_gbps=bandwidth,
                                       quantize=quantize, head_vocab=_head_vocab(quantize)))
@@ -202,7 +203,7 @@ def services_forward(static: dict | None) -> tuple[str, str]:
     static step section captured every bf16 model's graphs and kept its greedy tokens (or parted
     at a bf16 tie); else the lean forward; and why."""
     rows = {r["label"]: r for r in (static or {}).get("models", [])}
-    for label in ("draft 0.5B bf16", "target 1.5B bf16", "target 7B bf16"):
+    for label in (label for label, _, quantize in STATIC_MODELS if quantize == "none"):
         r = rows.get(label)
         if r is None or "error" in r or not r.get("graphs"):
             return "lean", f"lean: the static step of {label} " + (

@@ -9,7 +9,7 @@ their own, and one row's output never depends on another's.
 What makes it INT8 on the device is the compiler: under `torch.compile` the
 cast of the codes folds into the matmul's loads (one kernel reading one byte a
 weight; gpt-fast measured it near the HBM limit), which is how the static step
-runs it (specdec.runtime.paged_step, compile=True). Eager, the cast is a kernel
+runs it (specdec.runtime.paged_step: PagedRunner(compile=...)). Eager, the cast is a kernel
 of its own that writes the weight out in bf16 first: slower than bf16 weights,
 and the GPU check's step table says by how much.
 
