@@ -25,7 +25,7 @@ from coordinator.clients import VerifierClient
 from coordinator.gamma import CostModel, GammaController, GammaPriors, Plan, ServiceLoad
 from coordinator.gamma.explore import PREFILL, Exploration
 from coordinator.metrics import Metrics
-from coordinator.output import Delta, OutputAccumulator
+from coordinator.output import Delta, FinishReason, OutputAccumulator
 from coordinator.rounds import RoundRecord
 from coordinator.stats import Stats
 
@@ -110,6 +110,8 @@ class SpeculativeEngine:
                     stats.first_token_ms = stats.total_ms
                 yield Update(delta, stats)
                 if delta.finish_reason is not None:
+                    self.gamma_priors.lengths.observe(stats.output_tokens - 1,
+                                                      ended=delta.finish_reason != FinishReason.LENGTH)
                     self.metrics.observe_request(stats.output_tokens, stats.total_ms / 1e3,
                                                  delta.finish_reason.name.lower())
                     self.metrics.observe_probes(stats.probes)
@@ -149,7 +151,9 @@ class SpeculativeEngine:
         request = g.request
         if request.adaptive:
             state = self.gamma_priors.start(request.sampling)
-            budget = Exploration.for_request(state.cost, request.max_new_tokens - 1, g.stats.probes)
+            # Priced against what the request is expected to generate (lengths.py), not its ceiling.
+            g.stats.expected_output_tokens = self.gamma_priors.lengths.expected(request.max_new_tokens - 1)
+            budget = Exploration.for_request(state.cost, g.stats.expected_output_tokens, g.stats.probes)
             g.controller = GammaController(request.gamma_max, state, load=self.load, exploration=budget,
                                            free_sources=tuple(g.proposer.sources))
             if not g.proposer.drafts_with_model:   # free sources alone: plan no model tokens
@@ -158,13 +162,14 @@ class SpeculativeEngine:
         if g.controller is not None and g.proposer.drafts_with_model:
             # What is left to prefill: the drafter's prefix cache may hold the prompt's start.
             uncached = len(g.context) - g.proposer.cached_prefix(g.context)
-            if not g.controller.prefill_pays(uncached, request.max_new_tokens - 1):
+            if not g.controller.prefill_pays(uncached, g.stats.expected_output_tokens):
                 probed = g.controller.prefill_probe_allowed(uncached) and \
                     self.gamma_priors.probe_prefill(g.controller.calls(), uncached)
                 if not probed:
                     self._without_model(g, f"drafting was not expected to save what the drafter's prefill of the "
                                            f"{len(g.context)}-token prompt ({uncached} of them not in its prefix "
-                                           f"cache) costs (with {g.controller.calls():.1f} calls sharing each "
+                                           f"cache) costs, over the {g.stats.expected_output_tokens:.0f} tokens it is expected to "
+                                           f"generate (with {g.controller.calls():.1f} calls sharing each "
                                            "verifier forward)")
                     if g.proposer is None:
                         return

@@ -40,6 +40,7 @@ class Stats:
     synthetic_acceptance: float = 0.0  # the verifier's benchmark setting: this output is not the target's
     probes: dict[str, ProbeCount] = field(default_factory=dict)  # exploration taken, per kind (explore.py)
     logprob_bytes: int = 0         # the TokenLogprobs the verifier sent, when the request asked
+    expected_output_tokens: float = 0.0  # adaptive γ: what its drafter prefill and probes were priced against
 
     def record(self, round: RoundRecord) -> None:
         self.rounds += 1

@@ -15,7 +15,7 @@ nothing (charged its call's cost: policy.decode_steps). A probe is taken only
     probes come back by themselves; where they cannot pay at any acceptance
     there is none;
   - within budget: each request may spend at most BUDGET_SHARE of its expected
-    target-only time on probes, counted at what they cost beyond target-only
+    target-only time (its expected output, lengths.py) on probes, counted at what they cost beyond target-only
     decoding (a prefill probe all of its time, a probe round its time less the
     tokens it yielded at a target step each).
 
@@ -51,7 +51,7 @@ class Exploration:
     ledger: dict[str, ProbeCount] = field(default_factory=dict)
 
     @classmethod
-    def for_request(cls, cost: CostModel, new_tokens: int, ledger: dict[str, ProbeCount]) -> "Exploration":
+    def for_request(cls, cost: CostModel, new_tokens: float, ledger: dict[str, ProbeCount]) -> "Exploration":
         return cls(BUDGET_SHARE * max(new_tokens, 1) * cost.verify_ms(0), ledger)
 
     @property

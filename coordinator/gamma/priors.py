@@ -10,6 +10,7 @@ from specdec.spec.sampling import SamplingConfig
 
 from coordinator.gamma.acceptance import Acceptance, Calibration
 from coordinator.gamma.cost import LOAD_ALONE, CostModel
+from coordinator.gamma.lengths import OutputLengths
 from coordinator.gamma.policy import ControllerState
 
 # One in this many requests refused the draft model for its prefill's cost drafts all the
@@ -43,6 +44,7 @@ class GammaPriors:
         self.rounds = 0
         self.curves: dict[str, object] = {}   # the services' latest published curves (follow)
         self.prefill_refusals = 0             # requests since the last the model drafted anyway
+        self.lengths = OutputLengths()        # what finished requests generated, every regime's
 
     def probe_prefill(self, calls: float, prompt_tokens: int) -> bool:
         """For a request whose drafter prefill was not expected to pay: whether it
