@@ -81,3 +81,21 @@ def test_a_cache_rolls_back_by_its_length_and_copies_blocks_through_the_arena():
     del cache, other
     gc.collect()
     assert forward.arena.free_pages == free + 2 * 3              # both sessions' three pages back
+
+
+def test_the_compiled_step_serves_the_same_tokens(stack):
+    # --compile aot_eager: the whole step traced (fullgraph: a graph break raises), once a bucket
+    # (on the CPU at first use: here the decode's and a verification's).
+    target = load_model("tiny-target", forward="paged", compile="aot_eager")
+    with pair_stub(load_model("tiny-draft", forward="paged"), target, gamma=3) as stub:
+        lean = generate(stack.coordinator_stub, PROMPTS[0], speculate=False, max_new_tokens=12)
+        speculative = generate(stub, PROMPTS[0], speculate=True, gamma=3, max_new_tokens=12)
+        assert list(speculative.token_ids) == list(lean.token_ids)
+        assert speculative.stats.accepted_tokens < speculative.stats.draft_tokens   # a rollback ran too
+    assert target.lean.runner._bucket_step is not target.lean.runner.step   # compiled, not the eager step
+
+
+def test_compile_without_the_paged_forward_is_refused_with_what_to_add():
+    from specdec.rpc.errors import InvalidArgument
+    with pytest.raises(InvalidArgument, match="--forward paged"):
+        load_model("tiny-target", compile="inductor")

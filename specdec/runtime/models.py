@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec.runtime.options import DTYPES, FORWARDS
+from specdec.runtime.options import COMPILE, DTYPES, FORWARDS
 from specdec.runtime.quant import QUANTIZE, quantizations
 from specdec.runtime.quant.base import QuantizeContext
 
@@ -135,7 +135,8 @@ def _quantized(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizer
 
 @torch_thread.runs_on_it  # see specdec.runtime.torch_thread: the process's torch work stays on one thread
 def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize: str = "none",
-               head_vocab: int = 0, forward: str = "lean", random_weights: int | None = None) -> LoadedModel:
+               head_vocab: int = 0, forward: str = "lean", random_weights: int | None = None,
+               compile: str = "off") -> LoadedModel:
     """`random_weights`: a benchmark's model, `name` a directory with config.json and the
     tokenizer, its weights drawn from this seed (specdec.weights.synthetic)."""
     if dtype not in DTYPES:
@@ -144,6 +145,11 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
         raise InvalidArgument(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
     if forward not in FORWARDS:
         raise InvalidArgument(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
+    if compile not in COMPILE:
+        raise InvalidArgument(f"compile must be one of {', '.join(COMPILE)}, got {compile!r}")
+    if compile != "off" and forward != "paged":
+        raise InvalidArgument(f"--compile {compile} compiles the paged forward's static step; add --forward paged "
+                              f"(the {forward} forward has no static shapes to compile)")
     torch_device = torch.device(device)
     source = _source(name)  # pulls a registry model first, so its GGUF is there for int4
     if random_weights is not None and (source is None or not source.is_dir()):
@@ -184,7 +190,8 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
     lean_forward = None
     if forward in ("lean", "paged"):
         if (why_not := lean.supports(model)) is None:
-            lean_forward = lean.LeanForward(model) if forward == "lean" else PagedForward(model)
+            lean_forward = lean.LeanForward(model) if forward == "lean" else \
+                PagedForward(model, compile=None if compile == "off" else compile)
         else:
             log.info("%s: transformers' forward (%s)", name, why_not)
     loaded = LoadedModel(
@@ -193,7 +200,8 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
         max_context=int(getattr(model.config, "max_position_embeddings", 2048)),
         eos_token_ids=_eos_ids(model, tokenizer), fingerprint=fingerprint, lean=lean_forward,
         identity=json.dumps({"name": name, "entry": entry.name if entry else "", "forward": forward,
-                             "random_weights": random_weights, **settings}, sort_keys=True, default=str))
+                             "compile": compile, "random_weights": random_weights, **settings},
+                            sort_keys=True, default=str))
     log.info("loaded %s (%s, %s, quantize=%s, head_vocab=%s, vocab %d/%d, %s forward)", name, dtype, device,
              quantize, head_vocab or "all", vocab_size, model_vocab, forward if lean_forward else "transformers'")
     return loaded

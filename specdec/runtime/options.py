@@ -6,4 +6,6 @@ from __future__ import annotations
 # over one KV arena (CUDA graphs a row bucket on a GPU); or transformers'.
 FORWARDS = ("lean", "paged", "hf")
 DTYPES = ("fp32", "bf16", "fp16")
+# torch.compile backends for the paged forward's static step (off: eager, graphs replayed as they are).
+COMPILE = ("off", "inductor", "aot_eager")
 PREFILL_WEIGHTS = ("dense", "unpack")  # a prefill's many rows: kept bf16 weights, or each layer unpacked per call

@@ -88,8 +88,9 @@ class PagedCache:
 class PagedForward(LeanForward):
     """The lean forward's arithmetic and interface, its calls run by the static step."""
 
-    def __init__(self, model: nn.Module, max_context: int | None = None):
+    def __init__(self, model: nn.Module, max_context: int | None = None, compile: str | None = None):
         super().__init__(model)
+        self.compile = compile   # the static step's torch.compile backend (PagedRunner); None: eager
         self.max_context = max_context or int(getattr(self.config, "max_position_embeddings", 4096))
         self.arena: KVArena | None = None
         self.runner: PagedRunner | None = None
@@ -111,11 +112,12 @@ class PagedForward(LeanForward):
             budget = min(budget, (pool.budget_tokens + PAGE_TOKENS) * self.token_bytes())
         self.arena = KVArena.sized(len(self.layers), self.kv_heads, self.head_dim, self._cache_dtype(), device,
                                    budget)
-        self.runner = PagedRunner(self, self.arena, self.max_context)
+        self.runner = PagedRunner(self, self.arena, self.max_context, compile=self.compile)
         self.runner.capture()
-        log.info("KV arena of %d pages of %d tokens (%.0f MiB) at a fixed address; %s", self.arena.pages,
+        log.info("KV arena of %d pages of %d tokens (%.0f MiB) at a fixed address; %s%s", self.arena.pages,
                  PAGE_TOKENS, 2 * self.arena.keys.numel() * self.arena.keys.element_size() / 2**20,
-                 f"CUDA graphs for {len(self.runner.buckets)} row buckets" if self.runner.graphs else "no graphs (CPU)")
+                 f"CUDA graphs for {len(self.runner.buckets)} row buckets" if self.runner.graphs else "no graphs (CPU)",
+                 f"; the step compiled ({self.compile})" if self.compile else "")
 
     @torch.inference_mode()
     def batch(self, items: list[tuple[torch.Tensor, PagedCache, int]]) -> list[torch.Tensor]:

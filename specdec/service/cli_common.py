@@ -33,7 +33,7 @@ def run_model_service(name: str, args: argparse.Namespace,
     try:
         config = serve_config(args)   # a bad TLS file or token fails before the model loads
         loaded: LoadedModel = load_model(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
-                                        head_vocab=args.head_vocab, forward=args.forward,
+                                        head_vocab=args.head_vocab, forward=args.forward, compile=args.compile,
                                         random_weights=args.random_weights)
         stopping = catch_stop_signals()
         running = serve(loaded, config=config, **own_options(args, name))

@@ -11,7 +11,7 @@ import argparse
 from specdec.rpc import flags
 from specdec.rpc.flags import Setting, shared
 from specdec.runtime.cost_curve import CostCurve
-from specdec.runtime.options import DTYPES, FORWARDS, PREFILL_WEIGHTS
+from specdec.runtime.options import COMPILE, DTYPES, FORWARDS, PREFILL_WEIGHTS
 from specdec.runtime.quant import QUANTIZE
 
 SERVICES = ("drafter", "verifier")
@@ -41,6 +41,12 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
                              "fall back to transformers'); paged: the same arithmetic as one static step over one KV "
                              "arena sized from the device's free memory, with a CUDA graph a row bucket on a GPU "
                              "(docs/gpu.md: not yet timed on one); hf: transformers' forward")),
+    S("--compile", dict(default="off", choices=COMPILE,
+                        help="with --forward paged: torch.compile each row bucket's static step with this backend "
+                             "before its graph is captured (inductor on a GPU: the norms, rotary and activations "
+                             "fuse, and an INT8 weight's cast folds into its matmul; one compile a bucket, at "
+                             "warm-up on a GPU, at first use on a CPU; aot_eager: no fusion, only the check that the "
+                             "step has no graph breaks)"), up=True),
     S("--head-vocab", dict(type=int, default=0,
                            help="with --quantize int8 or q4_0: cut the LM head to the N ids the target writes most (the "
                                 "tokenizer's ranking in specdec/weights/vocab; the lowest ids without one) plus "
