@@ -87,6 +87,21 @@ def test_the_seven_b_config_is_the_families_with_the_seven_b_shape():
     assert small["num_attention_heads"] % small["num_key_value_heads"] == 0
 
 
+def test_the_services_draft_in_int8_only_where_it_was_faster_on_the_forward_they_run():
+    from specdec_tools.gpu.check import draft_path
+    lean_rows = [{"label": "draft INT8", "rows_ms": {1: 0.9}}, {"label": "draft bf16", "rows_ms": {1: 1.2}}]
+    static = {"models": [{"label": "draft 0.5B bf16", "rows_ms": {"1": 0.6}},      # JSON keys: strings
+                         {"label": "draft 0.5B INT8", "rows_ms": {"1": 0.8}}]}     # eager cast: slower
+    assert draft_path(lean_rows, static, "lean")[0] == "int8"
+    quantize, why = draft_path(lean_rows, static, "paged")
+    assert quantize == "none" and "0.60" in why and "0.80" in why, why
+    static["models"][1]["rows_ms"] = {"1": 0.5}
+    assert draft_path(lean_rows, static, "paged")[0] == "int8"
+    static["models"][1] = {"label": "draft 0.5B INT8", "error": "OOM"}
+    assert draft_path(lean_rows, static, "paged")[0] == "none"
+    assert draft_path(None, None, "lean")[0] == "none"
+
+
 def test_the_services_run_the_static_step_only_where_it_captured_its_graphs_and_kept_the_tokens():
     from specdec_tools.gpu.check import services_forward
     good = {"graphs": True, "greedy": {"agreed": 16, "of": 16}}

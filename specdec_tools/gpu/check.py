@@ -186,16 +186,24 @@ def _head_vocab(quantize: str) -> int:
     return shapes.PAIR.draft_head_vocab if quantize != "none" else 0
 
 
-def draft_path(step_rows: list[dict] | None) -> tuple[str, str]:
+def draft_path(step_rows: list[dict] | None, static: dict | None = None, forward: str = "lean") -> tuple[str, str]:
     """The draft's path for the services: the INT8 path `specdec up` serves a draft in,
-    unless the step table timed it slower than bf16 or it failed there; and why."""
+    unless it timed slower than bf16 on the forward the services run (the static step's
+    table for `paged`, where the eager INT8 cast is a kernel of its own; the step costs'
+    for `lean`) or failed there; and why."""
+    if forward == "paged":
+        rows = {r["label"]: r for r in (static or {}).get("models", [])}
+        (bf16_label, *_), (int8_label, *_) = STATIC_MODELS[:2]
+        step_rows = [{"label": label, "rows_ms": rows.get(static_label, {}).get("rows_ms")}
+                     for label, static_label in (("draft INT8", int8_label), ("draft bf16", bf16_label))]
     ms = {r["label"]: r["rows_ms"].get(1, r["rows_ms"].get("1")) for r in step_rows or [] if r.get("rows_ms")}
     int8, bf16 = ms.get("draft INT8"), ms.get("draft bf16")
+    on = "the static step's" if forward == "paged" else "its"
     if int8 is None:
-        return "none", "bf16: the INT8 path did not run here"
+        return "none", f"bf16: the INT8 path did not run on the {forward} forward here"
     if bf16 is not None and bf16 < int8:
-        return "none", f"bf16: its 1-row step took {bf16:.2f} ms against the INT8 path's {int8:.2f}"
-    return "int8", f"INT8: its 1-row step took {int8:.2f} ms" + (f" against bf16's {bf16:.2f}" if bf16 else "")
+        return "none", f"bf16: {on} 1-row step took {bf16:.2f} ms against the INT8 path's {int8:.2f}"
+    return "int8", f"INT8: {on} 1-row step took {int8:.2f} ms" + (f" against bf16's {bf16:.2f}" if bf16 else "")
 
 
 def services_forward(static: dict | None) -> tuple[str, str]:
@@ -339,10 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     section("step costs", lambda: step_costs(device, models, args.quick, lambda rows: table.partial("step costs", rows)))
     section("argmax, k rows against 1", lambda: argmax_consistency(device, models), correctness=True)
     section("static step", lambda: static_step(device, models))
-    draft_quantize, why = draft_path(table.value("step costs"))
-    table.meta["services' draft"] = why
     forward, why = services_forward(table.value("static step"))
     table.meta["services' forward"] = why
+    draft_quantize, why = draft_path(table.value("step costs"), table.value("static step"), forward)
+    table.meta["services' draft"] = why
     section("services", lambda: served(device, models, args.quick, questions(payload, 1 if args.quick else 2),
                                        deadline - CHI_RESERVE_S - LATE_RESERVE_S, draft_quantize, forward,
                                        lambda rows: table.partial("services", rows)))
