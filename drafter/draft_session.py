@@ -22,6 +22,18 @@ class Draft(NamedTuple):
     confidences: list[float]            # [n] the probability the draft gave each of its tokens
 
 
+def greedy_draft(scores: torch.Tensor) -> tuple[int, float]:
+    """[V] scores -> the greedy draft token and the probability the model's own softmax
+    gives it (greedy has no sampling distribution; this says how sure the draft is).
+    Decided on the device and copied to the host together: one read a draft step (on a
+    GPU each read waits for every kernel queued before it)."""
+    row = scores.float()
+    best, token = row.max(dim=-1)          # the first maximum, as argmax
+    confidence = torch.exp(best - torch.logsumexp(row, dim=-1))
+    token_id, probability = torch.stack([token.double(), confidence.double()]).tolist()
+    return int(token_id), probability
+
+
 class DraftSession:
     def __init__(self, loaded: LoadedModel, prompt_ids: list[int], pool: KVPool | None = None,
                  prefill: bool = True):
@@ -102,10 +114,8 @@ class DraftSession:
             logits = yield from self.seq.step(draft_ids[-1:] if i else [], keep_last=1)  # [1, model_vocab]
             scores = transform_logits(logits, self.seq.tokens, [], sampling, self.loaded.vocab_size)
             if sampling.greedy:
-                draft_ids.append(int(scores[0].argmax()))
-                # Greedy has no sampling distribution; the model's own softmax says how sure it is.
-                row = scores[0].float()
-                confidence = float(torch.exp(row[draft_ids[-1]] - torch.logsumexp(row, dim=-1)))
+                token, confidence = greedy_draft(scores[0])
+                draft_ids.append(token)
             elif truncation.off:
                 probs = scores_to_probs(scores)                                            # [1, vocab]
                 draft_probs.append(dense_for_wire(probs[0]))

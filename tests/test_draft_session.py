@@ -4,12 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.draft_session import DraftSession
+from drafter.draft_session import DraftSession, greedy_draft
 from specdec.rpc.errors import FailedPrecondition, InvalidArgument
 from specdec.spec.types import Commit
 from specdec.spec.sampling import SamplingConfig
 from specdec.spec.wire import Truncation
 from specdec.spec.draft_probs import draft_probs_tensor
+from tests.conftest import NoHostReads
 from tests.test_sequence import PROMPT, full_logits
 
 GREEDY = SamplingConfig()
@@ -26,6 +27,15 @@ def test_greedy_proposal_is_the_draft_models_greedy_continuation(tiny_draft):
     session = DraftSession(tiny_draft, PROMPT)
     ids, probs, _ = session.propose(4, GREEDY)
     assert probs == [] and ids == greedy_continuation(tiny_draft, PROMPT, 4)
+
+
+def test_a_greedy_draft_step_is_decided_on_the_device_and_read_once():
+    scores = torch.randn(151_936, generator=torch.Generator().manual_seed(0))
+    scores[[7, 151_935]] = scores.max() + 1.0         # a tie: the first maximum, as argmax
+    with NoHostReads():                                # no int()/float(): one .tolist() of both
+        token, confidence = greedy_draft(scores)
+    assert token == 7 == int(scores.argmax())
+    assert confidence == pytest.approx(float(torch.softmax(scores, -1)[7]), rel=1e-6)
 
 
 @pytest.mark.parametrize("accepted", [0, 2, 4])
