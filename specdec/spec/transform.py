@@ -125,7 +125,7 @@ def sample_at(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     # (the last of positive probability). Found for every row, a search, rather than asked
     # whether any row needs it: asking reads a value back to the host, which on a GPU waits
     # for all the work queued before it.
-    last = torch.searchsorted(cumulative, cumulative[:, -1:])[:, 0]
+    last = torch.searchsorted(cumulative, cumulative[:, -1:].contiguous())[:, 0]
     return torch.where(ids >= probs.shape[1], last, ids)
 
 
