@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from specdec.runtime import kv_cache, lean
+from specdec.runtime import kv_cache
 from specdec.rpc.errors import ResourceExhausted
 from specdec.runtime.sequence import SequenceCache
 from specdec.runtime.kv_pool import KVPool
@@ -55,8 +55,8 @@ def test_the_default_budget_is_a_share_of_the_gpus_free_memory_on_a_gpu_and_of_r
     # The GPU's driver is the boundary here: no GPU on this machine.
     import psutil
 
-    from specdec.service import model_service
+    from specdec.runtime.device import policy
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 30, 80 << 30))
-    assert model_service.available_memory(torch.device("cuda", 0)) == 3 << 30
-    on_cpu = model_service.available_memory(torch.device("cpu"))
+    assert policy("cuda:0").free_bytes() == 3 << 30
+    on_cpu = policy("cpu").free_bytes()
     assert on_cpu != 3 << 30 and on_cpu <= psutil.virtual_memory().available

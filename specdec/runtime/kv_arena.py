@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.rpc.errors import ResourceExhausted
+from specdec.runtime.device import policy
 
 PAGE_TOKENS = 16   # positions a page holds: the prefix cache's block size, so its blocks are pages
 SCRATCH_PAGE = 0   # the padding rows' page
@@ -28,9 +29,8 @@ SCRATCH_PAGE = 0   # the padding rows' page
 def device_budget_bytes(device: torch.device, fraction: float = 0.9, cpu_bytes: int = 1 << 30) -> int:
     """Bytes the arena may take: `fraction` of what the GPU has free now (after the weights
     were loaded), or `cpu_bytes` on the CPU."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * fraction)
+    if policy(device).on_gpu:
+        return int(policy(device).free_bytes() * fraction)
     return cpu_bytes
 
 

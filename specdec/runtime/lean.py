@@ -26,6 +26,7 @@ from torch import nn
 
 from specdec.runtime import dense_rows, ggml_forward, kernel_choices
 from specdec.runtime.quant.base import fuse
+from specdec.runtime.device import policy
 from specdec.runtime.kv_cache import StaticKVCache
 from specdec.runtime.kv_pool import KVPool
 
@@ -64,7 +65,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     kv_heads, length, _ = k.shape
     if mask is None:
         return bmm_attention(q, k, v, mask)
-    if q.device.type != "cpu":  # kernels run asynchronously there: host timing would not tell
+    if not policy(q.device).timed_kernels:   # host timing would not tell (device.py)
         return _sdpa_attention(q, k, v, mask)
     return dense_rows.run(("attention", heads, kv_heads, dim), rows, lambda: bmm_attention(q, k, v, mask),
                           lambda: _sdpa_attention(q, k, v, mask), names=("bmm", "sdpa"))
@@ -213,12 +214,7 @@ class LeanForward:
         return len(self.layers) * 2 * self.kv_heads * self.head_dim * self._cache_dtype().itemsize
 
     def _cache_dtype(self) -> torch.dtype:
-        # On the CPU, keys and values are kept in fp32 whatever the weights: attention
-        # then scores and sums in fp32 (as a fused kernel would accumulate) without
-        # converting the cache each step. bf16 scores measured 7x the KL of the
-        # transformers forward against fp32 on the 1.5B. Twice the memory: 57 KB a
-        # token for the 1.5B.
-        return torch.float32 if self.embed.weight.device.type == "cpu" else self.dtype
+        return policy(self.embed.weight.device).cache_dtype(self.dtype)
 
     def new_cache(self, pool: KVPool | None = None) -> StaticKVCache:
         return StaticKVCache(len(self.layers), self.kv_heads, self.head_dim, self._cache_dtype(),
@@ -337,7 +333,7 @@ class LeanForward:
         # the result is the kernels' to the bit; others take one masked call. Row i of a
         # sequence sees its positions 0..start+i; a single row sees everything, so needs no mask.
         prefill = [keep_last == 0 for _, _, keep_last in items]                          # no logits kept
-        by_row = [device.type == "cpu" and rows > 1 and not dense_rows.timed(rows, chunk)
+        by_row = [policy(device).exact_rows and rows > 1 and not dense_rows.timed(rows, chunk)
                   for (rows, _, _), chunk in zip(spans, prefill)]
         masks = [None if rows == 1 or row_wise else torch.arange(end, device=device)[None, :] <= pos[:, None]
                  for (rows, _, end), pos, row_wise in zip(spans, positions, by_row)]                # [T, end]

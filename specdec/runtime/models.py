@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from specdec.runtime.device import DevicePolicy, policy
 from specdec.runtime.options import COMPILE, DTYPES, FORWARDS
 from specdec.runtime.quant import QUANTIZE, quantizations
 from specdec.runtime.quant.base import QuantizeContext
@@ -52,6 +53,11 @@ class LoadedModel:
     # What its weights and layers are made from (name, settings, converted form): the key
     # under which what a service times on it is kept (specdec.service.start_profile).
     identity: str = ""
+
+    @property
+    def policy(self) -> DevicePolicy:
+        """What running on its device means for the code that runs it (specdec.runtime.device)."""
+        return policy(self.device)
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
@@ -166,7 +172,7 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
     settings = dict(quantize=quantize, dtype=dtype, head_vocab=head_vocab)
     if head_vocab:
         settings["head_ranking"] = vocab_rank.digest(ranking)
-    keep = quantization is not None and torch_device.type == "cpu" and random_weights is None
+    keep = quantization is not None and policy(torch_device).keeps_converted and random_weights is None
     root = _cache_root(name, source) if keep else None
     entry = model_cache.entry_dir(root, settings) if root else None
     model = model_cache.load(entry) if entry else None

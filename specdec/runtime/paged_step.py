@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.rpc.errors import InvalidArgument
+from specdec.runtime.device import policy
 from specdec.runtime.kv_arena import KVArena, PagedSequence
 from specdec.runtime.lean import LeanForward, _rms_norm, _rotary, _signed_sin
 
@@ -156,8 +157,8 @@ class PagedRunner:
             setattr(config, name, max(getattr(config, name), limit))
             self._bucket_step = torch.compile(self.step, backend=compile, fullgraph=True, dynamic=False)
         self.device = device = arena.keys.device
-        self.graphs = device.type == "cuda" if graphs is None else graphs
-        self._pinned = device.type == "cuda"
+        self.graphs = policy(device).graphs if graphs is None else graphs
+        self._pinned = policy(device).graphs   # staged for the graphs' buffers by non-blocking copies
 
         def buffers(rows: int, where: torch.device, pinned: bool) -> tuple[torch.Tensor, ...]:
             return tuple(torch.zeros(shape, dtype=torch.long, device=where, pin_memory=pinned)

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 from contextlib import contextmanager
 from typing import Callable, Generic, Iterator, Protocol, TypeVar
 
-import psutil
-import torch
 
-from specdec.runtime import dense_rows, kernel_choices, torch_thread
+from specdec.runtime import kernel_choices, torch_thread
 from specdec.runtime.batching import CallStats, Scheduler, lean_batch_forward
 from specdec.rpc.errors import InvalidArgument
 from specdec.runtime.cost_curve import CostCurve, LiveCurve, RowCost, gathered_cost, pinned_curve
 from specdec.spec.limits import MAX_PROPOSE_TOKENS, validate_token_ids
-from specdec.runtime.sequence import PREFILL_CHUNK, SequenceCache, Steps, drive
+from specdec.runtime.sequence import PREFILL_CHUNK, Steps
 from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.prefix_cache import PrefixCache
 from specdec.runtime.models import LoadedModel
@@ -211,29 +208,8 @@ def kv_pool(loaded: LoadedModel, kv_cache_mb: float) -> KVPool | None:
     transformers' forward (its own cache)."""
     if loaded.lean is None:
         return None
-    budget = kv_cache_mb * 2**20 if kv_cache_mb > 0 else KV_SHARE_OF_AVAILABLE * available_memory(loaded.device)
+    budget = kv_cache_mb * 2**20 if kv_cache_mb > 0 else KV_SHARE_OF_AVAILABLE * loaded.policy.free_bytes()
     return KVPool.of_bytes(int(budget), loaded.lean.token_bytes())
-
-
-def available_memory(device: torch.device | None = None) -> int:
-    """Bytes this process can still take: a GPU's free memory for a CUDA device; else the
-    machine's available memory, or less under a cgroup limit (a container's: psutil sees
-    the host's memory there)."""
-    if device is not None and device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    available = psutil.virtual_memory().available
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            limit = open(limit_file).read().strip()
-            usage = int(open(usage_file).read().strip())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit() and int(limit) < 2**60:  # "max", or v1's huge number: no limit
-            available = min(available, max(int(limit) - usage, 0))
-        break
-    return available
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ import logging
 import math
 import threading
 import time
-from typing import Callable
 
 import torch
 
@@ -36,7 +35,7 @@ def time_prefill_buckets(loaded: LoadedModel, prefill_chunk: int = PREFILL_CHUNK
     timed its paths before any request meets it (otherwise the request that does
     pays: the first 228-token prompt on an AVX2 EPYC waited 10.3 s for its first
     token where the next waited 5.9)."""
-    if loaded.device.type != "cpu":  # the timed paths are the CPU's
+    if not loaded.policy.timed_kernels:
         return
     filler = [(7 * i + 3) % loaded.vocab_size for i in range(prefill_chunk + 1)]
     for rows in sorted({min(kernel_choices.bucket(n), prefill_chunk)
@@ -54,7 +53,7 @@ def time_gathered_buckets(loaded: LoadedModel, max_sessions: int) -> dict[int, f
     three more is what such a batch costs, {n: ms}, for the scheduler's batch sizes. Nothing
     where batches keep each session's bits (--batch-invariant) or the timed paths are not the CPU's."""
     lean = loaded.lean
-    if lean is None or lean.batch_invariant or loaded.device.type != "cpu":
+    if lean is None or lean.batch_invariant or not loaded.policy.timed_kernels:
         return {}
     started = time.perf_counter()
     prompt = [(5 * i + 1) % loaded.vocab_size for i in range(16)]
@@ -80,18 +79,6 @@ def time_gathered_buckets(loaded: LoadedModel, max_sessions: int) -> dict[int, f
 CURVE_PREFIX = 128  # tokens cached before each timed forward: a short prompt's worth
 
 
-def device_clock(device) -> Callable[[], float]:
-    """time.perf_counter, after the device's queued work is done: a GPU runs kernels
-    after their launch returns, so an unsynchronized clock reads launch time."""
-    if device.type != "cuda":
-        return time.perf_counter
-
-    def clock() -> float:
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
-    return clock
-
-
 def measure_cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3, prefills: int = 2) -> CostCurve:
     """The least ms of `repeats` forwards over 1..rows new rows after a CURVE_PREFIX-token
     prefix: what verifying γ = rows - 1 drafts costs, or a draft step (1 row).
@@ -103,7 +90,7 @@ def measure_cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3, prefill
         return CostCurve([], 0.0)
     ids = [(7 * i + 3) % loaded.vocab_size for i in range(CURVE_PREFIX + rows)]
     per_token = []
-    clock = device_clock(loaded.device)
+    clock = loaded.policy.clock()
     for _ in range(max(prefills, 1)):
         seq = SequenceCache(loaded, ids[:CURVE_PREFIX])
         started = clock()
@@ -165,7 +152,7 @@ def forget_prepared(loaded: LoadedModel) -> None:
 def keep_dense_weights(loaded: LoadedModel, service_name: str) -> int:
     """--prefill-weights dense: the quantized layers hold their dense weight (bf16 or fp32,
     dense_rows.matmul_dtype) for calls of many rows."""
-    if loaded.device.type != "cpu":
+    if not loaded.policy.timed_kernels:   # the dense weights are the timed prefill path's
         return 0
     roots = loaded.lean.linears() if loaded.lean else [getattr(loaded.model, "model", loaded.model)]
     started = time.perf_counter()

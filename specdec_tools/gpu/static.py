@@ -19,7 +19,8 @@ from specdec.runtime.kv_arena import KVArena, device_budget_bytes
 from specdec.runtime.models import load_model
 from specdec.runtime.paged_step import BUCKETS, PagedRunner
 from specdec.runtime.sequence import SequenceCache
-from specdec.service.warm_up import CURVE_PREFIX, device_clock
+from specdec.runtime.device import policy
+from specdec.service.warm_up import CURVE_PREFIX
 from specdec_tools.gpu.steps import bf16_steps_apart
 
 ROWS = (1, 2, 4, 8, 16)
@@ -31,7 +32,7 @@ def copy_bandwidth_gbps(device: torch.device, gib: float = 1.0, repeats: int = 5
     n = int(gib * 2**30) // 2
     src = torch.empty(n, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    clock, best = device_clock(device), float("inf")
+    clock, best = policy(device).clock(), float("inf")
     for _ in range(repeats):
         started = clock()
         dst.copy_(src)
@@ -85,7 +86,7 @@ def measure(label: str, path: str, *, device: str, seed: int, bandwidth_gbps: fl
         sequence = arena.new_sequence()
         for start in range(0, CURVE_PREFIX, 64):
             runner.forward([(ids[start:start + 64], sequence, 0)])
-        clock = device_clock(torch_device)
+        clock = policy(torch_device).clock()
         out["rows_ms"] = {}
         for count in rows:
             best = float("inf")

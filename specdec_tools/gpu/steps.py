@@ -20,7 +20,7 @@ import torch
 from specdec.runtime import torch_thread
 from specdec.runtime.sequence import SequenceCache, drive
 from specdec.runtime.models import LoadedModel, load_model
-from specdec.service.warm_up import CURVE_PREFIX, device_clock, measure_cost_curve
+from specdec.service.warm_up import CURVE_PREFIX, measure_cost_curve
 
 ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17)
 PREFILL_TOKENS = 512
@@ -58,7 +58,7 @@ def rows_curve(loaded: LoadedModel, rows=ROWS, repeats: int = 5) -> dict[int, fl
 
 
 def prefill_per_token(loaded: LoadedModel, tokens: int = PREFILL_TOKENS, repeats: int = 2) -> float:
-    clock = device_clock(loaded.device)
+    clock = loaded.policy.clock()
     ids = _ids(loaded, tokens + 1)
     best = float("inf")
     for _ in range(repeats):
@@ -77,7 +77,7 @@ def profile_step(loaded: LoadedModel) -> tuple[int, float, float]:
 
 def _profile_step(loaded: LoadedModel) -> tuple[int, float, float]:
     from torch.profiler import ProfilerActivity, profile
-    clock = device_clock(loaded.device)
+    clock = loaded.policy.clock()
     cuda = loaded.device.type == "cuda"
     ids = _ids(loaded, CURVE_PREFIX + 1)
     seq = SequenceCache(loaded, ids[:CURVE_PREFIX])

@@ -1,0 +1,101 @@
+"""What differs between the devices a model runs on, in one place: a `DevicePolicy`,
+chosen once when the model loads (`LoadedModel.policy`, or `policy(device)` for a
+tensor's) and read by the code that runs it, instead of device checks of its own.
+
+- The CPU runs a kernel when it is called, so a host clock times it, and which
+  kernel a call takes (the int4 kernel or a dense matmul, bmm or fused attention,
+  llama.cpp's graph or torch's ops) is chosen by timing them here: at warm-up, and
+  at a new shape's first call. Keys and values are kept in fp32, and a
+  verification's rows attend as its decode steps did, to the bit (both cheap here).
+  A converted model (int8, int4, q4_0) is kept in the model cache, as converting it
+  again takes seconds to minutes. Memory is the machine's, or a container's limit.
+- A GPU runs kernels after their launch returns: a clock synchronizes first, and
+  host timing cannot choose between kernels, so its paths are fixed (fused
+  attention, the static step). The static step's inputs are staged in pinned memory
+  and each row bucket replays a CUDA graph. Memory is the GPU's free memory.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import psutil
+import torch
+
+CGROUP_MEMORY = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),                  # v2
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+@dataclass(frozen=True)
+class DevicePolicy:
+    device: torch.device
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def timed_kernels(self) -> bool:
+        """Whether kernel choices are made by timing them on the host (the CPU's)."""
+        return self.device.type == "cpu"
+
+    @property
+    def exact_rows(self) -> bool:
+        """Whether a verification's rows attend one at a time, as its decode steps did (the
+        CPU's kernels then give the decode steps' bits; on a GPU it would cost a launch a row)."""
+        return self.device.type == "cpu"
+
+    @property
+    def keeps_converted(self) -> bool:
+        """Whether a quantized model is kept converted in the model cache: the CPU's
+        kernels' packed layouts take seconds to minutes to make; a GPU's are made at load."""
+        return self.device.type == "cpu"
+
+    @property
+    def graphs(self) -> bool:
+        """CUDA graphs of the static step, a row bucket each; inputs staged in pinned memory."""
+        return self.on_gpu
+
+    def cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for weights in `dtype`. On the CPU fp32 whatever the weights:
+        attention then scores and sums in fp32 (as a fused kernel accumulates) without
+        converting the cache each step; bf16 scores measured 7x the KL of the transformers
+        forward against fp32 on the 1.5B, for twice the memory (57 KB a token for the 1.5B)."""
+        return torch.float32 if self.device.type == "cpu" else dtype
+
+    def clock(self) -> Callable[[], float]:
+        """time.perf_counter, after the device's queued work is done: a GPU runs kernels
+        after their launch returns, so an unsynchronized clock reads launch time."""
+        if not self.on_gpu:
+            return time.perf_counter
+        device = self.device
+
+        def synchronized() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return synchronized
+
+    def free_bytes(self) -> int:
+        """Bytes this process can still take: a GPU's free memory; else the machine's
+        available memory, or less under a cgroup limit (a container's: psutil sees the
+        host's memory there)."""
+        if self.on_gpu:
+            return torch.cuda.mem_get_info(self.device)[0]
+        available = psutil.virtual_memory().available
+        for limit_file, usage_file in CGROUP_MEMORY:
+            try:
+                limit = open(limit_file).read().strip()
+                usage = int(open(usage_file).read().strip())
+            except (OSError, ValueError):
+                continue
+            if limit.isdigit() and int(limit) < 2**60:  # "max", or v1's huge number: no limit
+                available = min(available, max(int(limit) - usage, 0))
+            break
+        return available
+
+
+@functools.lru_cache(maxsize=None)
+def policy(device: torch.device | str) -> DevicePolicy:
+    return DevicePolicy(torch.device(device))
