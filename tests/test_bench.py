@@ -214,3 +214,18 @@ def test_llama_cpp_that_fails_in_its_probe_is_reported_not_run(tmp_path):
     broken.write_bytes(b"GGUF" + bytes(60))        # a header and nothing after it: llama.cpp refuses it
     why = llama_cpp_probe([broken], threads=1, timeout_s=120)
     assert why is not None and why.startswith("llama.cpp ended its probe with exit code 1"), why
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_each_system_runs_first_and_after_each_other_system_equally_often(n):
+    from collections import Counter
+
+    from specdec_tools.bench.running import run_order
+    systems = [f"s{k}" for k in range(n)]
+    groups = 2 * n                                            # every row of the design, whatever n's parity
+    orders = [run_order(systems, g) for g in range(groups)]
+    assert all(sorted(order) == systems for order in orders)  # every system once a prompt
+    firsts = Counter(order[0] for order in orders)
+    follows = Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    assert len(set(firsts.values())) == 1 and len(firsts) == n
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1, follows

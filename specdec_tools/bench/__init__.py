@@ -2,7 +2,8 @@
 with the peers, in one run on one machine.
 
 Systems, run interleaved (each prompt runs every system before the next prompt,
-in an order rotated per prompt, so drift in machine load is shared):
+in orders that put each system first, and after each other system, equally often
+(`running.run_order`), so drift in machine load and one run's after-effects are shared):
   spec-gN      speculative decoding through the services, fixed gamma N
   spec-auto    the same, gamma chosen per round by the coordinator's controller
                (drafts stop early after a token the drafter is unsure of), with
