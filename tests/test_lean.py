@@ -220,10 +220,11 @@ def test_warm_up_can_time_every_prefill_bucket_a_chunk_can_meet(monkeypatch, ker
     # has timed each row bucket a chunk of up to --prefill-chunk rows falls in.
     from types import SimpleNamespace
 
+    from specdec.runtime.device import policy
     from specdec.runtime.sequence import SequenceCache
     from specdec.service.warm_up import time_prefill_buckets
     forward = _tiny_int4_forward()
-    loaded = SimpleNamespace(lean=forward, device=torch.device("cpu"), vocab_size=300,
+    loaded = SimpleNamespace(lean=forward, device=torch.device("cpu"), policy=policy("cpu"), vocab_size=300,
                              tokenizer=SimpleNamespace(encode=lambda text, add_special_tokens: [5, 6]))
     time_prefill_buckets(loaded, prefill_chunk=20)
     layer = forward.linears()[0]
