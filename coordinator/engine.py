@@ -168,9 +168,9 @@ class SpeculativeEngine:
                 if not probed:
                     self._without_model(g, f"drafting was not expected to save what the drafter's prefill of the "
                                            f"{len(g.context)}-token prompt ({uncached} of them not in its prefix "
-                                           f"cache) costs, over the {g.stats.expected_output_tokens:.0f} tokens it is expected to "
-                                           f"generate (with {g.controller.calls():.1f} calls sharing each "
-                                           "verifier forward)")
+                                           f"cache) costs, over the {g.stats.expected_output_tokens:.0f} tokens it is "
+                                           f"expected to generate (with {g.controller.calls():.1f} calls sharing "
+                                           "each verifier forward)")
                     if g.proposer is None:
                         return
         # 3. The proposer's prefill: the prompt and the first token.
