@@ -29,9 +29,8 @@ SCRATCH_PAGE = 0   # the padding rows' page
 def device_budget_bytes(device: torch.device, fraction: float = 0.9, cpu_bytes: int = 1 << 30) -> int:
     """Bytes the arena may take: `fraction` of what the GPU has free now (after the weights
     were loaded), or `cpu_bytes` on the CPU."""
-    if policy(device).on_gpu:
-        return int(policy(device).free_bytes() * fraction)
-    return cpu_bytes
+    on = policy(device)
+    return int(on.free_bytes() * fraction) if on.on_gpu else cpu_bytes
 
 
 @dataclass

@@ -192,12 +192,13 @@ def draft_path(step_rows: list[dict] | None, static: dict | None = None, forward
     table for `paged`, where the eager INT8 cast is a kernel of its own; the step costs'
     for `lean`) or failed there; and why."""
     if forward == "paged":
-        rows = {r["label"]: r for r in (static or {}).get("models", [])}
+        static_rows = {r["label"]: r.get("rows_ms") for r in (static or {}).get("models", [])}
         (bf16_label, *_), (int8_label, *_) = STATIC_MODELS[:2]
-        step_rows = [{"label": label, "rows_ms": rows.get(static_label, {}).get("rows_ms")}
-                     for label, static_label in (("draft INT8", int8_label), ("draft bf16", bf16_label))]
-    ms = {r["label"]: r["rows_ms"].get(1, r["rows_ms"].get("1")) for r in step_rows or [] if r.get("rows_ms")}
-    int8, bf16 = ms.get("draft INT8"), ms.get("draft bf16")
+        rows_ms = {"draft INT8": static_rows.get(int8_label), "draft bf16": static_rows.get(bf16_label)}
+    else:
+        rows_ms = {r["label"]: r.get("rows_ms") for r in step_rows or []}
+    int8, bf16 = (ms.get(1, ms.get("1")) if ms else None
+                  for ms in (rows_ms.get("draft INT8"), rows_ms.get("draft bf16")))
     on = "the static step's" if forward == "paged" else "its"
     if int8 is None:
         return "none", f"bf16: the INT8 path did not run on the {forward} forward here"
