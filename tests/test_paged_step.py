@@ -4,6 +4,8 @@ different lengths, rollback and shared prefix pages; padding rows that change no
 real row; no graph break, no host sync inside a step; an arena that never moves."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -153,3 +155,28 @@ def test_calls_past_the_largest_bucket_run_in_groups_and_a_long_prefill_gathers_
     for prompt, logits in zip(prompts, got):
         assert torch.allclose(logits, lean_logits(forward, [(prompt, 2)])[0], atol=ATOL)
     assert runner.context_pages(150) == 16 and runner.context_pages(300) == 32 and runner.context_pages(10**4) == 32
+
+
+def test_an_inductor_compiled_step_writes_the_arena_in_place_whatever_its_size(forward):
+    """The arena is the compiled step's input: a write through a view of it (keys[layer]) was
+    left functional by inductor, a pass over the whole arena every step (39 ms a step of
+    this model over a 64 MiB arena on the CPU, and on a GPU the services' arena is most of
+    its memory). A step over an arena 256 times larger (128 MiB) must cost what it costs
+    over a small one: the pass would add 80 ms a step here, and 20 ms or more on any
+    machine; the step itself takes a few."""
+    def step_ms(pages: int) -> float:
+        arena = KVArena(len(forward.layers), forward.kv_heads, forward.head_dim, pages, torch.float32, "cpu")
+        runner = PagedRunner(forward, arena, 128, buckets=(4,), compile="inductor")
+        sequence = arena.new_sequence()
+        runner.forward([(list(range(10, 40)), sequence, 1)])
+        best = float("inf")
+        for _ in range(5):                      # the first compiles
+            sequence.crop(30)
+            started = time.perf_counter()
+            logits = runner.forward([([50, 51, 52], sequence, 3)])[0]
+            best = min(best, time.perf_counter() - started)
+        assert torch.allclose(logits, lean_logits(forward, [(list(range(10, 40)) + [50, 51, 52], 3)])[0], atol=ATOL)
+        return best * 1e3
+
+    small, large = step_ms(32), step_ms(32 * 256)
+    assert large < 2 * small + 5, f"{large:.1f} ms a step over the large arena, {small:.1f} over the small one"

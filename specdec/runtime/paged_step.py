@@ -115,9 +115,12 @@ class PagedStep:
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(_rms_norm(layer.input_norm, x))                             # [R, q + 2 kv]
             qk = _rotary(qkv[:, :q_size + kv_size].view(rows, heads + kv_heads, dim), cos, sin)
-            keys_all[i].index_copy_(0, slots, qk[:, heads:].to(keys_all.dtype))
-            values_all[i].index_copy_(0, slots, qkv[:, q_size + kv_size:].view(rows, kv_heads, dim)
-                                      .to(values_all.dtype))
+            # Written through the arena tensor itself, not a view of it (keys_all[i]): inductor
+            # turns an index_put_ on a compiled step's input back into an in-place write, but a
+            # write through a view it leaves functional, which copied the whole arena every step.
+            slot = (torch.full_like(slots, i), slots)
+            keys_all.index_put_(slot, qk[:, heads:].to(keys_all.dtype))
+            values_all.index_put_(slot, qkv[:, q_size + kv_size:].view(rows, kv_heads, dim).to(values_all.dtype))
             keys = keys_all[i][context].transpose(1, 2)                                 # [B, kv_heads, L, dim]
             values = values_all[i][context].transpose(1, 2)
             q = qk[:, :heads].transpose(0, 1)[None] if shared else qk[:, :heads, None]  # [B, heads, R or 1, dim]

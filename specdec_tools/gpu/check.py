@@ -141,11 +141,11 @@ def static_step(device: str, models: dict[str, shapes.Model]) -> dict:
 
 
 def compiled_step(device: str, models: dict[str, shapes.Model], bandwidth_gbps: float, deadline: float) -> dict:
-    """The static step under torch.compile (inductor on a GPU, aot_eager on the CPU) at the rows a
-    draft step and a short verification take: the INT8 draft's cast then folds into its matmuls.
+    """The static step under torch.compile (inductor, C++ kernels on the CPU) at the rows a draft
+    step and a short verification take: the INT8 draft's cast then folds into its matmuls.
     A model whose compile would not finish before `deadline` (COMPILE_S each) is left out, said so."""
     from specdec_tools.gpu import static
-    backend = "inductor" if device.startswith("cuda") else "aot_eager"
+    backend = "inductor"
     out, skipped = [], []
     for label, name, quantize in (("draft 0.5B INT8, compiled", shapes.DRAFT, "int8"),
                                   ("draft 0.5B bf16, compiled", shapes.DRAFT, "none"),
