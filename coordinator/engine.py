@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 from specdec.rpc.errors import Cancelled, DeadlineExceeded
@@ -95,6 +95,11 @@ class SpeculativeEngine:
         Both sessions are ended however the generator is left (done, error, cancel)."""
         stats = Stats(prompt_tokens=len(request.prompt_ids), gamma=request.gamma_max if proposer else 0,
                       fallback=fallback, synthetic_acceptance=self.synthetic_acceptance)
+        if self.synthetic_acceptance:
+            # Drafts are kept at the set rate whatever their probabilities: the early stop, which
+            # reads acceptance off them, has nothing to read (random weights: every draft
+            # token is unsure, and rounds were cut to one token while the calibration learned).
+            request = replace(request, confidence_stop=False)
         eos = () if request.ignore_eos else self.eos_token_ids
         g = Generation(session_id or uuid.uuid4().hex, request, stats,
                        OutputAccumulator(self.tokenizer, eos, request.max_new_tokens, request.stop), timeout, proposer)

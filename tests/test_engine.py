@@ -177,3 +177,37 @@ def test_target_only_decodes_in_chunks_with_no_proposer():
     tokens, last = generate(engine, None, GenerationRequest(PROMPT, 37, GREEDY, 0, ignore_eos=True))
     assert tokens == target_only(list(PROMPT), 37)
     assert last.stats.draft_tokens == 0 and verifier.drafted_rows == [] and last.stats.gamma == 0
+
+
+class ConfidenceRecorder(ScriptedProposer):
+    """The scripted draft, recording the early-stop threshold each Propose carries."""
+
+    def __init__(self):
+        super().__init__(wrong_every=5)
+        self.thresholds: list[float] = []
+
+    def propose(self, num_tokens, sampling, commit, min_confidence=0.0, prefix=()) -> Proposal:
+        self.thresholds.append(min_confidence)
+        return super().propose(num_tokens, sampling, commit, min_confidence, prefix)
+
+
+@pytest.mark.parametrize("synthetic", [0.0, 0.8])
+def test_under_synthetic_acceptance_the_drafter_is_never_asked_to_stop_early(synthetic):
+    # A draft's probability says how likely the target keeps it; a verifier keeping drafts
+    # at a set rate ignores it, so the early stop has nothing to read: with random weights
+    # every token was unsure, and the check's rounds were cut to one token until the
+    # calibration had learned. Curves where drafting pays (a cheap draft, flat verification).
+    from coordinator.gamma import CostModel
+    cost = CostModel.from_curves([1.0] * 9, [10.0] * 9)
+    cost.frozen = True
+    proposer = ConfidenceRecorder()
+    engine = SpeculativeEngine(ScriptedVerifier(), Characters(), (EOS,), cost=cost, synthetic_acceptance=synthetic)
+    request = GenerationRequest(PROMPT, 40, GREEDY, 8, adaptive=True, ignore_eos=True, confidence_stop=True,
+                                proposer="model")
+    tokens, last = generate(engine, proposer, request)
+    assert tokens == target_only(list(PROMPT), 40) and proposer.thresholds
+    assert last.stats.synthetic_acceptance == pytest.approx(synthetic)
+    if synthetic:
+        assert set(proposer.thresholds) == {0.0}
+    else:   # the controller's threshold, as on a real pair
+        assert max(proposer.thresholds) > 0.0

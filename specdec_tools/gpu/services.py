@@ -39,7 +39,7 @@ class Served:
     ms_per_token: float = 0.0
     acceptance_seen: float = 0.0     # the first draft's acceptance over rounds
     mean_accepted_length: float = 0.0
-    gamma_last: int = 0
+    drafted_per_round: float = 0.0   # draft tokens a round: γ where fixed, the controller's and early stops' where auto
     rpc_ms_per_round: float | None = None
     synthetic: float = 0.0           # the stats' mark: must equal `acceptance` for spec systems
 
@@ -79,7 +79,7 @@ def _run(stub, result: PairResult, acceptance: float, system: str, prompts: list
         accepted += stats.accepted_tokens
         rounds += stats.rounds
         first_kept += stats.rounds * (stats.acceptance_by_position[0] if stats.acceptance_by_position else 0.0)
-        served.gamma_last, served.synthetic = stats.gamma, stats.synthetic_acceptance
+        served.synthetic = stats.synthetic_acceptance
         if system.startswith("γ=") and stats.rounds and result.draft_curve and result.verify_curve:
             gamma = int(system[2:])
             forwards = gamma * result.draft_curve[0] + result.verify_curve[min(gamma, len(result.verify_curve) - 1)]
@@ -92,6 +92,7 @@ def _run(stub, result: PairResult, acceptance: float, system: str, prompts: list
         # the bound's α mean it: the first draft's, over rounds (accepted / drafted is lower at γ > 1).
         served.acceptance_seen = round(first_kept / rounds, 3)
         served.mean_accepted_length = round((accepted + rounds) / rounds, 3) if rounds else 0.0
+        served.drafted_per_round = round(drafted / rounds, 2) if rounds else 0.0
     if outside_rounds:
         served.rpc_ms_per_round = round(outside / outside_rounds, 3)
     return served
