@@ -117,7 +117,7 @@ def test_a_step_compiles_whole_and_syncs_nothing_and_the_arena_never_moves(forwa
     addresses = (arena.keys.data_ptr(), arena.values.data_ptr())
     sequence = arena.new_sequence()
     runner.forward([(list(range(10, 40)), sequence, 1)])
-    inputs = runner._inputs[runner.bucket(3)]
+    inputs = runner._inputs_for(runner.bucket(3), runner.context_pages(33))
     runner.forward([([50, 51, 52], sequence, 3)])                 # the bucket's buffers now hold a real call
     sequence.crop(30)                                             # and again from where that call started
 
@@ -180,3 +180,31 @@ def test_an_inductor_compiled_step_writes_the_arena_in_place_whatever_its_size(f
 
     small, large = step_ms(32), step_ms(32 * 256)
     assert large < 2 * small + 5, f"{large:.1f} ms a step over the large arena, {small:.1f} over the small one"
+
+
+def test_a_compiled_step_compiles_once_a_row_bucket_whatever_the_context(forward):
+    """Its context is dynamic: a session growing past a context bucket must not compile the
+    step again (tens of seconds on a GPU, in the middle of a request), the widest bucket
+    (the whole block table) included. Counted by a backend that runs the captured graph."""
+    compiled: list[int] = []
+
+    def counting(graph, example_inputs):
+        compiled.append(example_inputs[0].shape[0] if example_inputs else 0)
+        return graph.forward
+
+    arena = KVArena(len(forward.layers), forward.kv_heads, forward.head_dim, 256, torch.float32, "cpu")
+    runner = PagedRunner(forward, arena, 1024, buckets=(1, 4), compile=counting)
+    sequence = arena.new_sequence()
+    prompt = [(7 * i + 3) % 200 for i in range(1000)]
+    done, contexts = 0, set()
+    for length in (200, 400, 700, 1000):          # context buckets of 16, 32, 64 and 64 = every page
+        runner.forward([(prompt[done:length], sequence, 0)])   # prefill chunks: eager, not compiled
+        done = length
+        for rows in (1, 3):
+            step = prompt[length - rows:length]
+            sequence.crop(length - rows)
+            got = runner.forward([(step, sequence, rows)])[0]
+            assert torch.allclose(got, lean_logits(forward, [(prompt[:length], rows)])[0], atol=ATOL)
+        contexts.add(runner.context_pages(length))
+    assert contexts == {16, 32, 64} and runner.max_pages == 64
+    assert len(compiled) == 2, compiled            # the 1-row bucket and the 4-row one

@@ -149,23 +149,35 @@ class PagedRunner:
         self.max_context = self.max_pages * arena.page_tokens
         self.step = PagedStep(forward, arena, self.max_pages)
         self.buckets = sorted(set(buckets))
-        # `compile`: the backend ("inductor" on a GPU). Static shapes, one compile a (rows, pages)
-        # bucket: a dynamic row count would leave each matmul to an extern kernel over a weight
-        # cast whole first. Prefill chunks (many rows, `shared`) stay eager.
+        # `compile`: the backend ("inductor" on a GPU). One compile a row bucket, its rows static:
+        # a dynamic row count would leave each matmul to an extern kernel over a weight cast
+        # whole first. The context is dynamic, so a session growing past a context bucket
+        # captures a graph, not compiles again (tens of seconds on a GPU, mid-request).
+        # Prefill chunks (many rows, `shared`) stay eager.
         self._bucket_step = self.step
         if compile:
-            limit = len(self.buckets) * (self.context_pages(self.max_context).bit_length() + 1)
+            # The limit counts every compile of PagedStep.__call__ in the process, and each runner's
+            # step is another instance of it (the check's models, two models in one process).
             config = torch._dynamo.config   # cache_size_limit before torch 2.6
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-            setattr(config, name, max(getattr(config, name), limit))
-            self._bucket_step = torch.compile(self.step, backend=compile, fullgraph=True, dynamic=False)
+            setattr(config, name, getattr(config, name) + len(self.buckets))
+            compiled = torch.compile(self.step, backend=compile, fullgraph=True)
+
+            def bucket_step(ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+                for tensor in (ids, positions, tables):
+                    torch._dynamo.mark_static(tensor, 0)
+                torch._dynamo.mark_dynamic(tables, 1)
+                return compiled(ids, positions, tables)
+            self._bucket_step = bucket_step
         self.device = device = arena.keys.device
         self.graphs = policy(device).graphs if graphs is None else graphs
         self._pinned = policy(device).graphs   # staged for the graphs' buffers by non-blocking copies
 
         def buffers(rows: int, where: torch.device, pinned: bool) -> tuple[torch.Tensor, ...]:
+            # A block table's column past max_pages is never read: every context bucket's slice is
+            # then a strided view alike, where the widest would be contiguous and compile again.
             return tuple(torch.zeros(shape, dtype=torch.long, device=where, pin_memory=pinned)
-                         for shape in ((rows,), (rows,), (rows, self.max_pages)))
+                         for shape in ((rows,), (rows,), (rows, self.max_pages + 1)))
         self._inputs = {rows: buffers(rows, device, False) for rows in self.buckets}      # the step reads these
         self._staging = {rows: buffers(rows, torch.device("cpu"), self._pinned) for rows in self.buckets}
         self._copied = {rows: torch.cuda.Event() if self._pinned else None for rows in self.buckets}
