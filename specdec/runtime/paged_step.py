@@ -161,7 +161,11 @@ class PagedRunner:
             config = torch._dynamo.config   # cache_size_limit before torch 2.6
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, getattr(config, name) + len(self.buckets))
-            compiled = torch.compile(self.step, backend=compile, fullgraph=True)
+            # gpt-fast's setting: inductor then writes a 1-row matmul (a draft step, a decode) as
+            # a reduction on a GPU, which an INT8 weight's cast folds into; otherwise cuBLAS runs
+            # it over the weight cast to bf16 first, and INT8 reads more than bf16 would.
+            options = {"coordinate_descent_tuning": True} if compile == "inductor" else None
+            compiled = torch.compile(self.step, backend=compile, fullgraph=True, options=options)
 
             def bucket_step(ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
                 for tensor in (ids, positions, tables):

@@ -6,12 +6,14 @@ Activations are never quantized, so Qwen's outlier channels (the down
 projections' inputs, which the CPU path keeps weight-only for) need no rule of
 their own, and one row's output never depends on another's.
 
-What makes it INT8 on the device is the compiler: under `torch.compile` the
-cast of the codes folds into the matmul's loads (one kernel reading one byte a
-weight; gpt-fast measured it near the HBM limit), which is how the static step
-runs it (specdec.runtime.paged_step: PagedRunner(compile=...)). Eager, the cast is a kernel
-of its own that writes the weight out in bf16 first: slower than bf16 weights,
-and the GPU check's step table says by how much.
+What makes it INT8 on the device is the compiler: under `torch.compile` with
+coordinate-descent tuning (gpt-fast's setting, which the static step's compile
+takes: specdec.runtime.paged_step, PagedRunner(compile=...)) a 1-row matmul, a
+draft step's, is a reduction whose loads the cast of the codes folds into (one
+kernel reading one byte a weight; gpt-fast measured it near the HBM limit).
+A call of more rows, and any call eager, runs the cast as a kernel of its own
+that writes the weight out in bf16 first: slower than bf16 weights, and the GPU
+check's step tables say by how much.
 
 (torch's int8 x int8 `_int_mm` needs more than 16 rows, more than any decode or
 verify call, and quantizing activations per row is what the outliers forbid.)
