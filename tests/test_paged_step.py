@@ -67,6 +67,21 @@ def test_prefill_decode_verify_and_rollback_give_the_lean_forwards_logits(model,
     assert sequence.length == 36 and len(sequence.pages) == 3
 
 
+def test_a_rollback_under_a_context_bucket_reads_the_smaller_bucket(forward):
+    # 260 positions hold 17 pages (a 32-page context); rolled back to 250 the session keeps
+    # them, while its step reads 16 (the pages past them hold only the rejected rows).
+    runner = runner_for(forward, max_context=512)
+    tokens = [(7 * i + 3) % 250 + 5 for i in range(270)]
+    sequence = runner.arena.new_sequence()
+    runner.forward([(tokens[:256], sequence, 0)])
+    runner.forward([(tokens[256:260], sequence, 4)])
+    assert len(sequence.pages) == 17 and runner.context_pages(260) == 32
+    sequence.crop(250)
+    got = runner.forward([([tokens[250]], sequence, 1)])[0]
+    assert runner.context_pages(251) == 16 and len(sequence.pages) == 17
+    assert torch.allclose(got, lean_logits(forward, [(tokens[:251], 1)])[0], atol=ATOL)
+
+
 def test_sessions_at_different_lengths_share_a_step_and_padding_changes_no_real_row(forward):
     runner = runner_for(forward)
     prompts = [[(11 * i + j) % 240 + 4 for i in range(length)] for j, length in enumerate((5, 40, 17))]

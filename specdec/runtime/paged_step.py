@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -177,13 +178,14 @@ class PagedRunner:
         self.graphs = policy(device).graphs if graphs is None else graphs
         self._pinned = policy(device).graphs   # staged for the graphs' buffers by non-blocking copies
 
-        def buffers(rows: int, where: torch.device, pinned: bool) -> tuple[torch.Tensor, ...]:
-            # A block table's column past max_pages is never read: every context bucket's slice is
-            # then a strided view alike, where the widest would be contiguous and compile again.
-            return tuple(torch.zeros(shape, dtype=torch.long, device=where, pin_memory=pinned)
-                         for shape in ((rows,), (rows,), (rows, self.max_pages + 1)))
-        self._inputs = {rows: buffers(rows, device, False) for rows in self.buckets}      # the step reads these
-        self._staging = {rows: buffers(rows, torch.device("cpu"), self._pinned) for rows in self.buckets}
+        # A bucket's inputs in one buffer, [2 + max_pages, rows]: the rows' ids, their positions, then
+        # their block tables by column. A call fills the part its context bucket reads (through numpy)
+        # and copies it in one piece; the step reads views of it, the tables' [rows, pages] strided
+        # alike whatever the bucket (a contiguous widest bucket would compile again).
+        shape = lambda rows: (2 + self.max_pages, rows)   # noqa: E731
+        self._inputs = {rows: torch.zeros(shape(rows), dtype=torch.long, device=device) for rows in self.buckets}
+        self._staging = {rows: torch.zeros(shape(rows), dtype=torch.long, pin_memory=self._pinned)
+                         for rows in self.buckets}
         self._copied = {rows: torch.cuda.Event() if self._pinned else None for rows in self.buckets}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
@@ -201,8 +203,8 @@ class PagedRunner:
         return min(max(16, 1 << (pages - 1).bit_length()), self.max_pages)
 
     def _inputs_for(self, rows: int, pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ids, positions, tables = self._inputs[rows]
-        return ids, positions, tables[:, :pages]
+        packed = self._inputs[rows]
+        return packed[0], packed[1], packed[2:2 + pages].t()
 
     @torch.inference_mode()
     def capture(self, context: int | None = None) -> None:
@@ -266,18 +268,19 @@ class PagedRunner:
         pages = self.context_pages(max(sequence.length + len(ids) for ids, sequence, _ in items))
         if self._copied[size] is not None:
             self._copied[size].synchronize()   # the last copy out of this staging has landed
-        ids_h, positions_h, tables_h = self._staging[size]
-        ids_h.zero_(), positions_h.zero_(), tables_h.zero_()
+        read = 2 + pages                       # the buffer's rows this call's step reads
+        staged = self._staging[size][:read].numpy()
+        staged.fill(0)                         # padding: id 0 at position 0 over the scratch page
         kept, row = [], 0
         for ids, sequence, keep in items:
             end = row + len(ids)
-            ids_h[row:end] = torch.tensor(ids)
-            positions_h[row:end] = torch.arange(sequence.length, sequence.length + len(ids))
-            tables_h[row:end, :len(sequence.pages)] = torch.tensor(sequence.pages)
+            staged[0, row:end] = ids
+            staged[1, row:end] = np.arange(sequence.length, sequence.length + len(ids))
+            table = sequence.pages[:pages]     # a rollback keeps pages past the context it reads
+            staged[2:2 + len(table), row:end] = np.asarray(table)[:, None]
             kept.append((end - keep, end))
             row = end
-        for device_buffer, host in zip(self._inputs[size], self._staging[size]):
-            device_buffer.copy_(host, non_blocking=True)
+        self._inputs[size][:read].copy_(self._staging[size][:read], non_blocking=True)
         if self._copied[size] is not None:
             self._copied[size].record()
         if self.graphs and (size, pages) not in self._graphs:
