@@ -3,7 +3,10 @@
   1. the machine: device, driver, torch, CUDA, which kernel SDPA runs for the
      lean forward's masked verify rows and causal prefill;
   2. the tiny pair (fp32) through the real services on the device: greedy
-     speculative output equal to target-only;
+     speculative output equal to target-only; then 2,000 sampled runs of it
+     against the target's exact distribution (chi-square; fewer where its
+     minute is short, the count printed): the correctness sections first, so
+     that a late section running long cannot cut them;
   3. step costs of the draft (bf16, and the INT8 path), the 1.5B and a 7B-class
      target (bf16), built with random weights: ms by rows, prefill per token,
      launches and GPU-busy time of a 1-row step, peak memory, and whether a
@@ -19,13 +22,11 @@
   6. the static step under torch.compile (the INT8 draft, the bf16 draft, the 7B),
      as time allows;
   7. transformers' generate() (static cache, torch.compile) on the targets' random
-     weights beside target-only through the services, as time allows;
-  8. 2,000 sampled runs of the tiny pair against the target's exact distribution
-     (chi-square; fewer where time is short, the count printed).
+     weights beside target-only through the services, as time allows.
 
 Each section runs whatever the others did (a failure is shown in its place);
-the table is written after every section, as markdown and JSON, to --out, so a
-call cut short still returns what it measured. Exit 1 if a correctness check
+the table is written after every section, and every model of the long ones, as
+markdown and JSON, to --out, so a call cut short still returns what it measured. Exit 1 if a correctness check
 failed. On a machine without CUDA the same sections run on the CPU on small
 shapes (shapes.py); --quick is CI's: fewer acceptances, prompts and tokens.
 
@@ -50,7 +51,7 @@ SEED = 1
 ACCEPTANCES = (0.8, 0.6, 0.9)   # the goal's first (issue 48): a short budget ends the services section early
 CHI_RUNS = 2000
 QUICK_CHI_RUNS = 200  # --quick: the suite runs the 2,000-run test itself (test_end_to_end)
-CHI_RESERVE_S = 45.0  # the chi-square's share at the end of the budget
+CHI_S = 60.0          # the chi-square's minute: batches of 250 runs until 2,000 or this
 COMPILE_S = 90.0      # what one model's compiled step is given (compile, capture, timing) before it starts
 COMPILED_ROWS = (1, 8)   # a draft or decode step, and a batch or a γ = 7 verification: a compile a row count
 LATE_RESERVE_S = 150.0  # kept from the services for the compiled step and transformers' generate()
@@ -140,7 +141,8 @@ def static_step(device: str, models: dict[str, shapes.Model]) -> dict:
     return {"copy_gbps": bandwidth, "models": out}
 
 
-def compiled_step(device: str, models: dict[str, shapes.Model], bandwidth_gbps: float, deadline: float) -> dict:
+def compiled_step(device: str, models: dict[str, shapes.Model], bandwidth_gbps: float, deadline: float,
+                  on_model=lambda value: None) -> dict:
     """The static step under torch.compile (inductor, C++ kernels on the CPU) at the rows a draft
     step and a short verification take: the INT8 draft's cast then folds into its matmuls.
     A model whose compile would not finish before `deadline` (COMPILE_S each) is left out, said so."""
@@ -162,10 +164,12 @@ def compiled_step(device: str, models: dict[str, shapes.Model], bandwidth_gbps: 
                                       head_vocab=_head_vocab(quantize), compile=backend, rows=COMPILED_ROWS))
         except Exception as error:
             out.append({"label": label, "error": _error(error)})
+        on_model({"copy_gbps": bandwidth_gbps, "backend": backend, "models": out, "skipped": skipped})
     return {"copy_gbps": bandwidth_gbps, "backend": backend, "models": out, "skipped": skipped}
 
 
-def transformers_generate(device: str, models: dict[str, shapes.Model], quick: bool, deadline: float) -> dict:
+def transformers_generate(device: str, models: dict[str, shapes.Model], quick: bool, deadline: float,
+                          on_model=lambda value: None) -> dict:
     """transformers' generate() (static cache, torch.compile) on the targets' random weights: what
     target-only through the services is held against. The 7B first; each only where COMPILE_S remain."""
     from specdec_tools.gpu import hf_baseline
@@ -179,6 +183,7 @@ def transformers_generate(device: str, models: dict[str, shapes.Model], quick: b
                                                        new_tokens=12 if quick else 64))
         except Exception as error:
             out.append({"label": label, "error": _error(error)})
+        on_model({"models": out, "skipped": skipped})
     return {"models": out, "skipped": skipped}
 
 
@@ -345,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
 
     section("environment", lambda: environment(device, models))
     section("tiny pair greedy", lambda: tiny_greedy(device), correctness=True)
+    section("chi-square", lambda: chi_square(device, time.monotonic() + CHI_S,
+                                             QUICK_CHI_RUNS if args.quick else CHI_RUNS), correctness=True)
     section("step costs", lambda: step_costs(device, models, args.quick, lambda rows: table.partial("step costs", rows)))
     section("argmax, k rows against 1", lambda: argmax_consistency(device, models), correctness=True)
     section("static step", lambda: static_step(device, models))
@@ -353,15 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     draft_quantize, why = draft_path(table.value("step costs"), table.value("static step"), forward)
     table.meta["services' draft"] = why
     section("services", lambda: served(device, models, args.quick, questions(payload, 1 if args.quick else 2),
-                                       deadline - CHI_RESERVE_S - LATE_RESERVE_S, draft_quantize, forward,
+                                       deadline - LATE_RESERVE_S, draft_quantize, forward,
                                        lambda rows: table.partial("services", rows)))
     static_done = table.value("static step") or {}
-    section("compiled step", lambda: compiled_step(device, models, static_done.get("copy_gbps", 0.0),
-                                                   deadline - CHI_RESERVE_S))
-    section("transformers generate", lambda: transformers_generate(device, models, args.quick,
-                                                                   deadline - CHI_RESERVE_S))
-    section("chi-square", lambda: chi_square(device, max(deadline, time.monotonic() + 10),
-                                             QUICK_CHI_RUNS if args.quick else CHI_RUNS), correctness=True)
+    section("compiled step", lambda: compiled_step(device, models, static_done.get("copy_gbps", 0.0), deadline,
+                                                   lambda value: table.partial("compiled step", value)))
+    section("transformers generate", lambda: transformers_generate(
+        device, models, args.quick, deadline, lambda value: table.partial("transformers generate", value)))
     table.write()
     print(table.markdown())
     return 1 if failed else 0
