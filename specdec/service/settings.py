@@ -44,9 +44,10 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
     S("--compile", dict(default="off", choices=COMPILE,
                         help="with --forward paged: torch.compile each row bucket's static step with this backend "
                              "before its graph is captured (inductor on a GPU: the norms, rotary and activations "
-                             "fuse, and an INT8 weight's cast folds into its matmul; one compile a bucket, at "
-                             "warm-up on a GPU, at first use on a CPU; aot_eager: no fusion, only the check that the "
-                             "step has no graph breaks)"), up=True),
+                             "fuse, and an INT8 weight's cast folds into its 1-row matmuls; one compile a row "
+                             "bucket, at warm-up on a GPU, at first use on a CPU; aot_eager: no fusion, only the "
+                             "check that the step has no graph breaks, and slow: it writes the whole KV arena "
+                             "every step)"), up=True),
     S("--head-vocab", dict(type=int, default=0,
                            help="with --quantize int8 or q4_0: cut the LM head to the N ids the target writes most (the "
                                 "tokenizer's ranking in specdec/weights/vocab; the lowest ids without one) plus "
