@@ -26,8 +26,8 @@
 
 Each section runs whatever the others did (a failure is shown in its place);
 the table is written after every section, and every model of the long ones, as
-markdown and JSON, to --out, so a call cut short still returns what it measured. Exit 1 if a correctness check
-failed. On a machine without CUDA the same sections run on the CPU on small
+markdown and JSON, to --out, so a call cut short still returns what it measured.
+Exit 1 if a correctness check failed. On a machine without CUDA the same sections run on the CPU on small
 shapes (shapes.py); --quick is CI's: fewer acceptances, prompts and tokens.
 
   python -m specdec_tools.gpu.check [--quick] [--out DIR] [--payload .gpu] [--budget-s 420]
@@ -149,6 +149,7 @@ def compiled_step(device: str, models: dict[str, shapes.Model], bandwidth_gbps: 
     from specdec_tools.gpu import static
     backend = "inductor"
     out, skipped = [], []
+    result = {"copy_gbps": bandwidth_gbps, "backend": backend, "models": out, "skipped": skipped}
     for label, name, quantize in (("draft 0.5B INT8, compiled", shapes.DRAFT, "int8"),
                                   ("draft 0.5B bf16, compiled", shapes.DRAFT, "none"),
                                   ("target 7B bf16, compiled", shapes.TARGET_7B, "none")):
@@ -164,8 +165,8 @@ def compiled_step(device: str, models: dict[str, shapes.Model], bandwidth_gbps: 
                                       head_vocab=_head_vocab(quantize), compile=backend, rows=COMPILED_ROWS))
         except Exception as error:
             out.append({"label": label, "error": _error(error)})
-        on_model({"copy_gbps": bandwidth_gbps, "backend": backend, "models": out, "skipped": skipped})
-    return {"copy_gbps": bandwidth_gbps, "backend": backend, "models": out, "skipped": skipped}
+        on_model(result)
+    return result
 
 
 def transformers_generate(device: str, models: dict[str, shapes.Model], quick: bool, deadline: float,
@@ -174,6 +175,7 @@ def transformers_generate(device: str, models: dict[str, shapes.Model], quick: b
     target-only through the services is held against. The 7B first; each only where COMPILE_S remain."""
     from specdec_tools.gpu import hf_baseline
     out, skipped = [], []
+    result = {"models": out, "skipped": skipped}
     for label, name in (("target 7B bf16", shapes.TARGET_7B), ("target 1.5B bf16", shapes.TARGET)):
         if time.monotonic() + COMPILE_S > deadline:
             skipped.append(f"{label} (time)")
@@ -183,8 +185,8 @@ def transformers_generate(device: str, models: dict[str, shapes.Model], quick: b
                                                        new_tokens=12 if quick else 64))
         except Exception as error:
             out.append({"label": label, "error": _error(error)})
-        on_model({"models": out, "skipped": skipped})
-    return {"models": out, "skipped": skipped}
+        on_model(result)
+    return result
 
 
 def _head_vocab(quantize: str) -> int:

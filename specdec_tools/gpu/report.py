@@ -164,7 +164,8 @@ def pair_table(pair: dict, cpu_acceptance: float | None) -> list[str]:
         speed = f"{base / r['ms_per_token']:.2f}x" if base and r["ms_per_token"] else "-"
         rpc = "-" if r["rpc_ms_per_round"] is None else f"{r['rpc_ms_per_round']:.2f}"
         out.append(f"| {r['acceptance']} | {r['system']} | {r['ms_per_token']:.2f} | {speed} | {r['acceptance_seen']} | "
-                   f"{r['mean_accepted_length']} | {r['drafted_per_round']} | {rpc} | {round(r['synthetic'], 3) or '-'} |")
+                   f"{r['mean_accepted_length']} | {r['drafted_per_round']} | {rpc} | "
+                   f"{round(r['synthetic'], 3) or '-'} |")
     alphas = sorted({r["acceptance"] for r in runs} | ({cpu_acceptance} if cpu_acceptance else set()))
     bounds = [(a, predicted(pair, a)) for a in alphas]
     if any(b for _, b in bounds):

@@ -39,7 +39,7 @@ class Served:
     ms_per_token: float = 0.0
     acceptance_seen: float = 0.0     # the first draft's acceptance over rounds
     mean_accepted_length: float = 0.0
-    drafted_per_round: float = 0.0   # draft tokens a round: γ where fixed, the controller's and early stops' where auto
+    drafted_per_round: float = 0.0   # draft tokens a round: γ where fixed, the controller's choice where auto
     rpc_ms_per_round: float | None = None
     synthetic: float = 0.0           # the stats' mark: must equal `acceptance` for spec systems
 
