@@ -182,9 +182,9 @@ class PagedRunner:
         # their block tables by column. A call fills the part its context bucket reads (through numpy)
         # and copies it in one piece; the step reads views of it, the tables' [rows, pages] strided
         # alike whatever the bucket (a contiguous widest bucket would compile again).
-        shape = lambda rows: (2 + self.max_pages, rows)   # noqa: E731
-        self._inputs = {rows: torch.zeros(shape(rows), dtype=torch.long, device=device) for rows in self.buckets}
-        self._staging = {rows: torch.zeros(shape(rows), dtype=torch.long, pin_memory=self._pinned)
+        height = 2 + self.max_pages
+        self._inputs = {rows: torch.zeros((height, rows), dtype=torch.long, device=device) for rows in self.buckets}
+        self._staging = {rows: torch.zeros((height, rows), dtype=torch.long, pin_memory=self._pinned)
                          for rows in self.buckets}
         self._copied = {rows: torch.cuda.Event() if self._pinned else None for rows in self.buckets}
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
