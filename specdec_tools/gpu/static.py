@@ -69,8 +69,7 @@ def measure(label: str, path: str, *, device: str, seed: int, bandwidth_gbps: fl
         out["floor_ms"] = round(out["weights_gb"] / bandwidth_gbps * 1e3, 3) if bandwidth_gbps else None
         # vLLM's sizing, held down to a quarter here: the services section runs after this one.
         # On the CPU, whose times say nothing of a GPU, an arena of what the tables reach.
-        budget = min(device_budget_bytes(torch_device, fraction=0.25), 4 << 30) if torch_device.type == "cuda" \
-            else 256 << 20
+        budget = min(device_budget_bytes(torch_device, fraction=0.25, cpu_bytes=256 << 20), 4 << 30)
         arena = KVArena.sized(len(forward.layers), forward.kv_heads, forward.head_dim, forward.dtype,
                               torch_device, budget)
         runner = PagedRunner(forward, arena, MAX_CONTEXT, buckets=rows if compile else sorted({*BUCKETS, *rows}),
