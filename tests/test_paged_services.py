@@ -99,3 +99,19 @@ def test_compile_without_the_paged_forward_is_refused_with_what_to_add():
     from specdec.rpc.errors import InvalidArgument
     with pytest.raises(InvalidArgument, match="--forward paged"):
         load_model("tiny-target", compile="inductor")
+
+
+def test_inductor_without_its_compiler_is_refused_at_load_with_what_to_install(monkeypatch, tmp_path):
+    """Inductor builds what it writes (C++ on the CPU, Triton's launcher on a GPU): a service
+    lacking the compiler must say so before its model loads, not fail in its first warm-up."""
+    from specdec.rpc.errors import FailedPrecondition
+    from specdec.runtime.paged_step import toolchain_missing
+    monkeypatch.setenv("PATH", str(tmp_path))          # an empty PATH: no g++, no gcc, no clang
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(FailedPrecondition, match=r"--compile inductor on cpu needs a C\+\+ compiler .*--compile off"):
+        load_model("tiny-target", forward="paged", compile="inductor")
+    load_model("tiny-target", forward="paged", compile="aot_eager")    # builds nothing: needs none
+    cuda = torch.device("cuda")
+    assert any("a C compiler for Triton's launcher" in need for need in toolchain_missing("inductor", cuda))
+    monkeypatch.setenv("CC", "/usr/bin/cc")                # Triton's own override
+    assert not any("C compiler" in need for need in toolchain_missing("inductor", cuda))

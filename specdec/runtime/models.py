@@ -22,6 +22,7 @@ from specdec.runtime.quant.base import QuantizeContext
 
 from specdec.runtime import lean, model_cache, torch_thread
 from specdec.runtime.paged_forward import PagedForward
+from specdec.runtime.paged_step import toolchain_missing
 
 from specdec.weights import registry, synthetic, tiny, vocab_rank
 from specdec.rpc.errors import FailedPrecondition, InvalidArgument
@@ -157,6 +158,9 @@ def load_model(name: str, *, dtype: str = "fp32", device: str = "cpu", quantize:
         raise InvalidArgument(f"--compile {compile} compiles the paged forward's static step; add --forward paged "
                               f"(the {forward} forward has no static shapes to compile)")
     torch_device = torch.device(device)
+    if missing := toolchain_missing(compile, torch_device):
+        raise FailedPrecondition(f"--compile {compile} on {torch_device.type} needs " + "; ".join(missing)
+                                 + ": install it, or serve with --compile off")
     source = _source(name)  # pulls a registry model first, so its GGUF is there for int4
     if random_weights is not None and (source is None or not source.is_dir()):
         raise InvalidArgument(f"--random-weights builds a model from a directory's config.json; {name!r} is not one")

@@ -23,7 +23,11 @@ folds into its matmul (quant.int8_device).
 """
 from __future__ import annotations
 
+import os
+import shutil
+import sysconfig
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -135,6 +139,35 @@ class PagedStep:
                 gate, up = layer.gate_up(h).chunk(2, dim=-1)
                 x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
         return self.forward.lm_head(_rms_norm(self.forward.norm, x)).float()
+
+
+def toolchain_missing(backend: str, device: torch.device) -> list[str]:
+    """What `torch.compile(backend=...)` needs on `device` and this machine lacks ([]: nothing).
+    Inductor compiles what it writes: C++ on the CPU (a compiler found by inductor's own
+    search, `cpp.cxx`), Triton kernels on a GPU (Triton's launcher is built by a C compiler,
+    CC or gcc or clang as Triton looks for them, against Python's headers). Checked before a
+    model loads, so a service that lacks one says so at start, not in its first warm-up."""
+    if backend != "inductor":
+        return []
+    missing = []
+    if device.type == "cpu":
+        from torch._inductor import config
+        candidates = [cxx for cxx in config.cpp.cxx if cxx] if isinstance(config.cpp.cxx, (list, tuple)) \
+            else [config.cpp.cxx]
+        if not any(shutil.which(cxx) for cxx in candidates):
+            missing.append(f"a C++ compiler ({' or '.join(candidates)} on PATH, or CXX; e.g. the g++ package)")
+        return missing
+    try:
+        import triton  # noqa: F401 (torch's CUDA wheels bring it)
+    except ImportError:
+        missing.append("Triton (the triton package torch's CUDA wheels depend on)")
+    if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
+        missing.append("a C compiler for Triton's launcher (gcc or clang on PATH, or CC; e.g. the gcc package)")
+    scheme = sysconfig.get_default_scheme()
+    include = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
+    if not (Path(include) / "Python.h").is_file():
+        missing.append(f"Python's headers ({include}/Python.h; e.g. the python3-dev package)")
+    return missing
 
 
 class PagedRunner:

@@ -45,7 +45,8 @@ MODEL_SETTINGS: tuple[Setting, ...] = (
                         help="with --forward paged: torch.compile each row bucket's static step with this backend "
                              "before its graph is captured (inductor on a GPU: the norms, rotary and activations "
                              "fuse, and an INT8 weight's cast folds into its 1-row matmuls; one compile a row "
-                             "bucket, at warm-up on a GPU, at first use on a CPU; aot_eager: no fusion, only the "
+                             "bucket, at warm-up on a GPU, at first use on a CPU; needs gcc and Python's headers "
+                             "on a GPU (Triton's), a C++ compiler on a CPU; aot_eager: no fusion, only the "
                              "check that the step has no graph breaks, and slow: it writes the whole KV arena "
                              "every step)"), up=True),
     S("--head-vocab", dict(type=int, default=0,

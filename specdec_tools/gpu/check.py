@@ -65,6 +65,9 @@ def environment(device: str, models: dict[str, shapes.Model]) -> dict:
     from specdec_tools.gpu import steps
     info = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
             "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+    # What the compiled step section needs (a compiler and headers for what inductor writes).
+    from specdec.runtime.paged_step import toolchain_missing
+    info["inductor toolchain"] = "; ".join(toolchain_missing("inductor", torch.device(device))) or "ok"
     if device == "cuda":
         info.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda, driver=_driver(),
                     gpu_memory_gb=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
