@@ -22,22 +22,29 @@ class Draft(NamedTuple):
     confidences: list[float]            # [n] the probability the draft gave each of its tokens
 
 
-def greedy_draft(scores: torch.Tensor) -> tuple[int, float]:
+def greedy_on_device(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[V] scores -> the greedy draft token and the probability the model's own softmax
-    gives it (greedy has no sampling distribution; this says how sure the draft is).
-    Decided on the device and copied to the host together: one read a draft step (on a
-    GPU each read waits for every kernel queued before it)."""
+    gives it (greedy has no sampling distribution; this says how sure the draft is),
+    both still on the device: scalars, the token int64."""
     row = scores.float()
     best, token = row.max(dim=-1)          # the first maximum, as argmax
-    confidence = torch.exp(best - torch.logsumexp(row, dim=-1))
+    return token, torch.exp(best - torch.logsumexp(row, dim=-1))
+
+
+def greedy_draft(scores: torch.Tensor) -> tuple[int, float]:
+    """greedy_on_device, copied to the host together: one read a draft step (on a GPU
+    each read waits for every kernel queued before it)."""
+    token, confidence = greedy_on_device(scores)
     token_id, probability = torch.stack([token.double(), confidence.double()]).tolist()
     return int(token_id), probability
 
 
 class DraftSession:
     def __init__(self, loaded: LoadedModel, prompt_ids: list[int], pool: KVPool | None = None,
-                 prefill: bool = True):
+                 prefill: bool = True, chain: bool | None = None):
         self.loaded = loaded
+        # Greedy drafts fed back on the device, read once a round (None: as the device's policy says).
+        self.chain = loaded.policy.chains_drafts if chain is None else chain
         self.seq = SequenceCache(loaded, prompt_ids, pool)
         if prefill:  # else the caller runs seq.prefill_steps() (a service, through its scheduler)
             self.seq.prefill()
@@ -107,6 +114,8 @@ class DraftSession:
             self.generator = make_generator(sampling, "drafter", self.loaded.device)
         self.round_base = len(self.seq)
         self.seq.append(prefix)
+        if self.chain and sampling.greedy and sampling.repetition_penalty == 1.0 and not sampling.additive_penalties:
+            return (yield from self._chained_greedy(num_tokens, min_confidence, len(prefix)))
         draft_ids: list[int] = []
         draft_probs: list[DraftProbs] = []
         confidences: list[float] = []
@@ -136,3 +145,30 @@ class DraftSession:
         self.seq.append(draft_ids[-1:])
         self.round_drafted = len(prefix) + len(draft_ids)
         return Draft(draft_ids, draft_probs, confidences)
+
+    def _chained_greedy(self, num_tokens: int, min_confidence: float, prefix: int) -> Steps[Draft]:
+        """Greedy drafting with each token fed back from the device (its scores need no history:
+        no penalty): the host queues a step without waiting for the last, and reads the round's
+        tokens and confidences once. Every step runs; the confidence rule then cuts the draft
+        after the token it would have stopped at, and the session is left as the step-by-step
+        loop leaves it: the kept drafts but the last fed, the last appended."""
+        tokens: list[torch.Tensor] = []
+        confidences: list[torch.Tensor] = []
+        for i in range(num_tokens):
+            logits = yield from (self.seq.step_on_device(tokens[-1].view(1), keep_last=1) if i
+                                 else self.seq.step([], keep_last=1))
+            token, confidence = greedy_on_device(logits[0, :self.loaded.vocab_size])
+            tokens.append(token)
+            confidences.append(confidence)
+        if not tokens:
+            self.round_drafted = prefix
+            return Draft([], [], [])
+        ids, sure = torch.stack([torch.stack(tokens).double(), torch.stack(confidences).double()]).tolist()
+        kept = next((i + 1 for i, p in enumerate(sure) if p < min_confidence), len(ids))
+        start = self.round_base + prefix            # the drafts' first position
+        self.seq.resolve(start, ids[:-1])           # fed from the device: every draft but the last
+        self.seq.truncate(start + kept - 1)         # the cut drafts' cache dropped, as a rollback
+        ids = [int(t) for t in ids[:kept]]
+        self.seq.append(ids[-1:])
+        self.round_drafted = prefix + kept
+        return Draft(ids, [], sure[:kept])

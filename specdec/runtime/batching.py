@@ -225,7 +225,5 @@ class Scheduler:
 def lean_batch_forward(lean) -> Callable[[list[Forward]], list[torch.Tensor]]:
     """The batched forward over a LeanForward: each Forward's rows at its own cache's positions."""
     def run(forwards: list[Forward]) -> list[torch.Tensor]:
-        device = forwards[0].seq.loaded.device
-        return lean.batch([(torch.tensor(f.feed, dtype=torch.long, device=device), f.seq.cache, f.keep_last)
-                           for f in forwards])
+        return lean.batch([(lean.feed_ids(f.feed, f.ids), f.seq.cache, f.keep_last) for f in forwards])
     return run

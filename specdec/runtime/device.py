@@ -12,7 +12,8 @@ tensor's) and read by the code that runs it, instead of device checks of its own
 - A GPU runs kernels after their launch returns: a clock synchronizes first, and
   host timing cannot choose between kernels, so its paths are fixed (fused
   attention, the static step). The static step's inputs are staged in pinned memory
-  and each row bucket replays a CUDA graph. Memory is the GPU's free memory.
+  and each row bucket replays a CUDA graph; a greedy draft's steps are chained on the
+  device, read once a round. Memory is the GPU's free memory.
 """
 from __future__ import annotations
 
@@ -52,6 +53,13 @@ class DevicePolicy:
         """Whether a quantized model is kept converted in the model cache: the CPU's
         kernels' packed layouts take seconds to minutes to make; a GPU's are made at load."""
         return self.device.type == "cpu"
+
+    @property
+    def chains_drafts(self) -> bool:
+        """Whether a greedy draft's steps feed each token from the device (the drafter reads the
+        round's tokens once, not a token a step: each read waits for the GPU's queue to drain).
+        The CPU keeps the step-by-step loop, whose confidence rule saves the steps it cuts."""
+        return self.on_gpu
 
     @property
     def graphs(self) -> bool:

@@ -18,7 +18,7 @@ drafts is moving its length back, so nothing is copied or recomputed.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -219,6 +219,11 @@ class LeanForward:
     def new_cache(self, pool: KVPool | None = None) -> StaticKVCache:
         return StaticKVCache(len(self.layers), self.kv_heads, self.head_dim, self._cache_dtype(),
                              self.embed.weight.device, pool)
+
+    def feed_ids(self, feed: Sequence[int], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """What `batch` takes for a forward's feed: its ids on the model's device (`ids` where
+        the device decided them)."""
+        return ids if ids is not None else torch.tensor(list(feed), dtype=torch.long, device=self.embed.weight.device)
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, cache: StaticKVCache, keep_last: int) -> torch.Tensor:

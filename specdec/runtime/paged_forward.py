@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -119,14 +120,20 @@ class PagedForward(LeanForward):
                  f"CUDA graphs for {len(self.runner.buckets)} row buckets" if self.runner.graphs else "no graphs (CPU)",
                  f"; the step compiled ({self.compile})" if self.compile else "")
 
+    def feed_ids(self, feed: Sequence[int], ids: torch.Tensor | None = None) -> Sequence[int] | torch.Tensor:
+        """The host's ids stay there (the runner stages them for the step's buffers); ids the
+        device decided stay on the device, copied into those buffers there."""
+        return ids if ids is not None else tuple(feed)
+
     @torch.inference_mode()
-    def batch(self, items: list[tuple[torch.Tensor, PagedCache, int]]) -> list[torch.Tensor]:
-        """As LeanForward.batch: [(ids [T_i], cache_i, keep_last_i)] -> [logits [keep_last_i, vocab] fp32]."""
+    def batch(self, items: list[tuple[Sequence[int] | torch.Tensor, PagedCache, int]]) -> list[torch.Tensor]:
+        """As LeanForward.batch: [(ids [T_i], cache_i, keep_last_i)] -> [logits [keep_last_i, vocab] fp32],
+        each ids the host's (a sequence of ints) or the device's (a tensor there, never read back)."""
         lengths = [cache.length for _, cache, _ in items]
         try:
             for ids, cache, _ in items:
-                cache.reserve(cache.length + ids.shape[0])
-            return self.runner.forward([(ids.tolist(), cache.sequence, keep) for ids, cache, keep in items])
+                cache.reserve(cache.length + len(ids))
+            return self.runner.forward([(ids, cache.sequence, keep) for ids, cache, keep in items])
         except BaseException:
             for (_, cache, _), length in zip(items, lengths):   # as before the call: a rerun writes it again
                 cache.length = length

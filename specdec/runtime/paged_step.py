@@ -268,9 +268,10 @@ class PagedRunner:
         self._graphs[(rows, pages)] = (graph, out)
 
     @torch.inference_mode()
-    def forward(self, items: Sequence[tuple[Sequence[int], PagedSequence, int]]) -> list[torch.Tensor]:
+    def forward(self, items: Sequence[tuple[Sequence[int] | torch.Tensor, PagedSequence, int]]) -> list[torch.Tensor]:
         """[(token ids, sequence, rows kept)] -> [logits [kept, vocab] fp32], each sequence
-        advanced by its ids. The logits are the device's: read them before the next call."""
+        advanced by its ids: the host's, or a tensor on the device (copied into the step's
+        buffer there, never read back). The logits are the device's: read them before the next call."""
         for ids, sequence, keep in items:
             assert len(ids) and 0 <= keep <= len(ids), (len(ids), keep)
             if sequence.length + len(ids) > self.max_context:
@@ -295,7 +296,7 @@ class PagedRunner:
                 rows += n
         return out
 
-    def _bucketed(self, items: Sequence[tuple[Sequence[int], PagedSequence, int]]) -> list[torch.Tensor]:
+    def _bucketed(self, items: Sequence[tuple[Sequence[int] | torch.Tensor, PagedSequence, int]]) -> list[torch.Tensor]:
         rows = sum(len(ids) for ids, _, _ in items)
         size = self.bucket(rows)
         pages = self.context_pages(max(sequence.length + len(ids) for ids, sequence, _ in items))
@@ -304,10 +305,13 @@ class PagedRunner:
         read = 2 + pages                       # the buffer's rows this call's step reads
         staged = self._staging[size][:read].numpy()
         staged.fill(0)                         # padding: id 0 at position 0 over the scratch page
-        kept, row = [], 0
+        kept, on_device, row = [], [], 0
         for ids, sequence, keep in items:
             end = row + len(ids)
-            staged[0, row:end] = ids
+            if isinstance(ids, torch.Tensor):  # decided on the device (a chained draft): copied there, below
+                on_device.append((row, end, ids))
+            else:
+                staged[0, row:end] = ids
             staged[1, row:end] = np.arange(sequence.length, sequence.length + len(ids))
             table = sequence.pages[:pages]     # a rollback keeps pages past the context it reads
             staged[2:2 + len(table), row:end] = np.asarray(table)[:, None]
@@ -316,6 +320,8 @@ class PagedRunner:
         self._inputs[size][:read].copy_(self._staging[size][:read], non_blocking=True)
         if self._copied[size] is not None:
             self._copied[size].record()
+        for lo, hi, ids in on_device:
+            self._inputs[size][0, lo:hi].copy_(ids)
         if self.graphs and (size, pages) not in self._graphs:
             self._capture(size, pages)
         if (size, pages) in self._graphs:
@@ -334,7 +340,8 @@ class PagedRunner:
         pages = self.context_pages(sequence.length + rows)
         table = torch.zeros(pages, dtype=torch.long)
         table[:len(sequence.pages)] = torch.tensor(sequence.pages)
-        inputs = (torch.tensor(list(ids)), torch.arange(sequence.length, sequence.length + rows),
+        inputs = (ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids)),
+                  torch.arange(sequence.length, sequence.length + rows),
                   table[None].expand(rows, pages))
         inputs = tuple(t.to(self.device, non_blocking=self._pinned) for t in inputs)
         logits = self.step(*inputs, shared=True)

@@ -28,17 +28,21 @@ T = TypeVar("T")
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward, when not set by the service
 
 
+PENDING = -1  # in `tokens`: a token the device decided and the host has not read yet (a chained draft's)
+
+
 @dataclass(frozen=True)
 class Forward:
     """One step of a session: run the model over `feed` (its uncached tokens, in
     order) and give back the logits of the last `keep_last` of them."""
     seq: "SequenceCache"
-    feed: tuple[int, ...]      # [T]
+    feed: tuple[int, ...]      # [T]; PENDING where `ids` holds the token
     keep_last: int             # 0..T; 0 for a prefill chunk, whose logits nobody reads
+    ids: torch.Tensor | None = None   # [T] on the model's device: the feed as the device decided it
 
     def run(self) -> torch.Tensor:
         """Alone: [keep_last, model_vocab] float32."""
-        return self.seq._forward(self.feed, self.keep_last)
+        return self.seq._forward(self.feed, self.keep_last, self.ids)
 
 
 Steps = Generator[Forward, torch.Tensor, T]  # yields forwards, receives their logits, returns T
@@ -103,11 +107,25 @@ class SequenceCache:
         assert 0 < keep_last <= len(feed), (keep_last, len(feed))
         return (yield Forward(self, tuple(feed), keep_last))
 
+    def step_on_device(self, ids: torch.Tensor, keep_last: int) -> Steps[torch.Tensor]:
+        """`step` of tokens the device decided, `ids` [T] there (a chained greedy draft's): fed
+        from the device, so the host queues this step without waiting for the last one to end.
+        `tokens` holds PENDING for them until `resolve`."""
+        assert self.cached == len(self.tokens), (self.cached, len(self.tokens))
+        self.tokens.extend([PENDING] * ids.shape[0])
+        return (yield Forward(self, (PENDING,) * ids.shape[0], keep_last, ids))
+
+    def resolve(self, start: int, values: Sequence[int]) -> None:
+        """The tokens step_on_device fed from `start` on, once read back."""
+        assert all(t == PENDING for t in self.tokens[start:start + len(values)]), start
+        self.tokens[start:start + len(values)] = [int(v) for v in values]
+
     @torch.inference_mode()
-    def _forward(self, feed: Sequence[int], keep_last: int) -> torch.Tensor:
-        ids = torch.tensor(list(feed), dtype=torch.long, device=self.loaded.device)
+    def _forward(self, feed: Sequence[int], keep_last: int, ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.loaded.lean:
-            return self.loaded.lean.batch([(ids, self.cache, keep_last)])[0]
+            return self.loaded.lean.batch([(self.loaded.lean.feed_ids(feed, ids), self.cache, keep_last)])[0]
+        if ids is None:
+            ids = torch.tensor(list(feed), dtype=torch.long, device=self.loaded.device)
         # transformers' forward keeps at least one row (logits_to_keep=0 means all of them).
         out = self.loaded.model(input_ids=ids[None], cache=self.cache, use_cache=True,
                                 logits_to_keep=max(keep_last, 1))

@@ -13,8 +13,6 @@ import math
 import threading
 import time
 
-import torch
-
 from specdec.runtime import dense_rows, kernel_choices, torch_thread
 from specdec.runtime.cost_curve import CostCurve
 from specdec.runtime.models import LoadedModel
@@ -67,7 +65,7 @@ def time_gathered_buckets(loaded: LoadedModel, max_sessions: int) -> dict[int, f
             for seq in seqs:    # the same row again: a decode step taken back
                 seq.cache.length = len(prompt) - 1
             begun = time.perf_counter()
-            lean.batch([(torch.tensor(seq.tokens[-1:], device=loaded.device), seq.cache, 1) for seq in seqs])
+            lean.batch([(lean.feed_ids(seq.tokens[-1:]), seq.cache, 1) for seq in seqs])
             times.append((time.perf_counter() - begun) * 1e3)
         costs[sessions] = round(min(times[1:]), 3)
     log.info("kernels for batches of 2..%d sessions' rows timed in %.1f s; such a batch's ms by rows: %s",

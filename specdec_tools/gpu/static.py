@@ -5,6 +5,8 @@ row bucket), beside the HBM floor, for the GPU check:
     model's floor: its weights' bytes read once at that rate;
   - ms of one step by rows after a 128-token prefix, each the least of a few replays
     (on the CPU, the eager step: it runs, its times say nothing of a GPU);
+  - a 4-token greedy draft round, each token read back before the next step against the
+    steps chained on the device and read once (what a GPU's drafter runs);
   - the step's greedy tokens against the lean forward's over 16 decode steps (bf16:
     where they differ, a tie is all that may part them).
 """
@@ -15,6 +17,7 @@ import time
 
 import torch
 
+from drafter.draft_session import greedy_draft, greedy_on_device
 from specdec.runtime.kv_arena import KVArena, device_budget_bytes
 from specdec.runtime.models import load_model
 from specdec.runtime.paged_step import BUCKETS, PagedRunner
@@ -24,6 +27,7 @@ from specdec.service.warm_up import CURVE_PREFIX
 from specdec_tools.gpu.steps import bf16_steps_apart
 
 ROWS = (1, 2, 4, 8, 16)
+DRAFT_ROUND = 4     # tokens of the greedy draft round timed both ways
 MAX_CONTEXT = 256   # the tables' reach: the 128-token prefix and a verification, as the step curve's
 
 
@@ -103,6 +107,8 @@ def measure(label: str, path: str, *, device: str, seed: int, bandwidth_gbps: fl
                 out[f"ratio_{count}"] = round(out["rows_ms"][count] / one, 2)
         if out["floor_ms"]:
             out["one_row_over_floor"] = round(one / out["floor_ms"], 2)
+        sequence.crop(CURVE_PREFIX)
+        out["draft_round_ms"] = draft_round_ms(loaded.vocab_size, runner, sequence, ids[CURVE_PREFIX], clock, repeats)
         sequence.crop(CURVE_PREFIX - 1)   # the prefix's last token is the first step's, as in SequenceCache
         out["greedy"] = greedy_against_lean(loaded, runner, sequence, ids[:CURVE_PREFIX])
         arena.release(sequence)
@@ -112,6 +118,40 @@ def measure(label: str, path: str, *, device: str, seed: int, bandwidth_gbps: fl
         gc.collect()
         if torch_device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def draft_round_ms(vocab: int, runner: PagedRunner, sequence, first: int, clock, repeats: int,
+                   gamma: int = DRAFT_ROUND) -> dict:
+    """A greedy draft round of `gamma` tokens on the step, both ways the drafter runs one
+    (drafter.draft_session): each token read back before the next step is queued (the CPU's
+    loop), and chained on the device, read once (a GPU's). The least of a few rounds each."""
+    start = sequence.length
+
+    def read_each() -> None:
+        token = first
+        for _ in range(gamma):
+            token, _ = greedy_draft(runner.forward([([token], sequence, 1)])[0][0, :vocab])
+
+    def chained() -> None:
+        fed, tokens, confidences = [first], [], []
+        for _ in range(gamma):
+            token, confidence = greedy_on_device(runner.forward([(fed, sequence, 1)])[0][0, :vocab])
+            tokens.append(token)
+            confidences.append(confidence)
+            fed = token.view(1)
+        torch.stack([torch.stack(tokens).double(), torch.stack(confidences).double()]).tolist()
+
+    out = {}
+    for name, run in (("read_each", read_each), ("chained", chained)):
+        best = float("inf")
+        for _ in range(repeats):
+            sequence.crop(start)
+            started = clock()
+            run()
+            best = min(best, clock() - started)
+        out[name] = round(best * 1e3, 3)
+    sequence.crop(start)
+    return out
 
 
 def greedy_against_lean(loaded, runner: PagedRunner, sequence, prefix: list[int], tokens: int = 16) -> dict:
