@@ -7,6 +7,7 @@ row bucket), beside the HBM floor, for the GPU check:
     (on the CPU, the eager step: it runs, its times say nothing of a GPU);
   - a 4-token greedy draft round, each token read back before the next step against the
     steps chained on the device and read once (what a GPU's drafter runs);
+  - 1 and 8 rows after a 1,024-token context (each row gathers its pages: flatness there);
   - the step's greedy tokens against the lean forward's over 16 decode steps (bf16:
     where they differ, a tie is all that may part them).
 """
@@ -28,7 +29,8 @@ from specdec_tools.gpu.steps import bf16_steps_apart
 
 ROWS = (1, 2, 4, 8, 16)
 DRAFT_ROUND = 4     # tokens of the greedy draft round timed both ways
-MAX_CONTEXT = 256   # the tables' reach: the 128-token prefix and a verification, as the step curve's
+LONG_PREFIX = 1024  # a long prompt's context: each row gathers its pages, so k rows read its KV k times
+MAX_CONTEXT = 2048  # the tables' reach (the 128-token timings still read a 256-token context bucket)
 
 
 def copy_bandwidth_gbps(device: torch.device, gib: float = 1.0, repeats: int = 5) -> float:
@@ -109,6 +111,9 @@ def measure(label: str, path: str, *, device: str, seed: int, bandwidth_gbps: fl
             out["one_row_over_floor"] = round(one / out["floor_ms"], 2)
         sequence.crop(CURVE_PREFIX)
         out["draft_round_ms"] = draft_round_ms(loaded.vocab_size, runner, sequence, ids[CURVE_PREFIX], clock, repeats)
+        out["long_rows_ms"] = long_context_ms(runner, arena, ids, [n for n in (1, 8) if n in rows], clock, repeats)
+        if len(out["long_rows_ms"]) == 2:
+            out["long_ratio_8"] = round(out["long_rows_ms"][8] / out["long_rows_ms"][1], 2)
         sequence.crop(CURVE_PREFIX - 1)   # the prefix's last token is the first step's, as in SequenceCache
         out["greedy"] = greedy_against_lean(loaded, runner, sequence, ids[:CURVE_PREFIX])
         arena.release(sequence)
@@ -118,6 +123,27 @@ def measure(label: str, path: str, *, device: str, seed: int, bandwidth_gbps: fl
         gc.collect()
         if torch_device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def long_context_ms(runner: PagedRunner, arena: KVArena, ids: list[int], rows: list[int], clock,
+                    repeats: int) -> dict:
+    """ms of a step by rows after a LONG_PREFIX-token context, the least of a few: each row
+    gathers its session's pages, so a verification's rows read the context's KV once each."""
+    ids = (ids * (LONG_PREFIX // len(ids) + 2))[:LONG_PREFIX + max(rows)]
+    sequence = arena.new_sequence()
+    for start in range(0, LONG_PREFIX, 64):
+        runner.forward([(ids[start:start + 64], sequence, 0)])
+    out = {}
+    for count in rows:
+        best = float("inf")
+        for _ in range(repeats):
+            sequence.crop(LONG_PREFIX)
+            started = clock()
+            runner.forward([(ids[LONG_PREFIX:LONG_PREFIX + count], sequence, count)])
+            best = min(best, clock() - started)
+        out[count] = round(best * 1e3, 3)
+    arena.release(sequence)
+    return out
 
 
 def draft_round_ms(vocab: int, runner: PagedRunner, sequence, first: int, clock, repeats: int,
