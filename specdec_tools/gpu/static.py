@@ -89,20 +89,10 @@ def measure(label: str, path: str, *, device: str, seed: int, bandwidth_gbps: fl
             runner._graphs.clear()
         out["capture_s"] = round(time.perf_counter() - started, 1)
         out["graphs"] = runner.graphs
-        ids = [(7 * i + 3) % loaded.vocab_size for i in range(CURVE_PREFIX + max(rows))]
-        sequence = arena.new_sequence()
-        for start in range(0, CURVE_PREFIX, 64):
-            runner.forward([(ids[start:start + 64], sequence, 0)])
+        ids = [(7 * i + 3) % loaded.vocab_size for i in range(LONG_PREFIX + max(rows))]
         clock = policy(torch_device).clock()
-        out["rows_ms"] = {}
-        for count in rows:
-            best = float("inf")
-            for _ in range(repeats):
-                sequence.crop(CURVE_PREFIX)
-                started = clock()
-                runner.forward([(ids[CURVE_PREFIX:CURVE_PREFIX + count], sequence, count)])
-                best = min(best, clock() - started)
-            out["rows_ms"][count] = round(best * 1e3, 3)
+        sequence = prefilled(runner, arena, ids, CURVE_PREFIX)
+        out["rows_ms"] = rows_ms(runner, sequence, ids, CURVE_PREFIX, rows, clock, repeats)
         one = out["rows_ms"][1]
         for count in (8, 16):
             if count in out["rows_ms"]:
@@ -111,7 +101,9 @@ def measure(label: str, path: str, *, device: str, seed: int, bandwidth_gbps: fl
             out["one_row_over_floor"] = round(one / out["floor_ms"], 2)
         sequence.crop(CURVE_PREFIX)
         out["draft_round_ms"] = draft_round_ms(loaded.vocab_size, runner, sequence, ids[CURVE_PREFIX], clock, repeats)
-        out["long_rows_ms"] = long_context_ms(runner, arena, ids, [n for n in (1, 8) if n in rows], clock, repeats)
+        long = prefilled(runner, arena, ids, LONG_PREFIX)
+        out["long_rows_ms"] = rows_ms(runner, long, ids, LONG_PREFIX, [n for n in (1, 8) if n in rows], clock, repeats)
+        arena.release(long)
         if len(out["long_rows_ms"]) == 2:
             out["long_ratio_8"] = round(out["long_rows_ms"][8] / out["long_rows_ms"][1], 2)
         sequence.crop(CURVE_PREFIX - 1)   # the prefix's last token is the first step's, as in SequenceCache
@@ -125,24 +117,26 @@ def measure(label: str, path: str, *, device: str, seed: int, bandwidth_gbps: fl
             torch.cuda.empty_cache()
 
 
-def long_context_ms(runner: PagedRunner, arena: KVArena, ids: list[int], rows: list[int], clock,
-                    repeats: int) -> dict:
-    """ms of a step by rows after a LONG_PREFIX-token context, the least of a few: each row
-    gathers its session's pages, so a verification's rows read the context's KV once each."""
-    ids = (ids * (LONG_PREFIX // len(ids) + 2))[:LONG_PREFIX + max(rows)]
+def prefilled(runner: PagedRunner, arena: KVArena, ids: list[int], prefix: int):
+    """A new sequence in the arena holding ids[:prefix], run in chunks of 64 rows."""
     sequence = arena.new_sequence()
-    for start in range(0, LONG_PREFIX, 64):
-        runner.forward([(ids[start:start + 64], sequence, 0)])
+    for start in range(0, prefix, 64):
+        runner.forward([(ids[start:min(start + 64, prefix)], sequence, 0)])
+    return sequence
+
+
+def rows_ms(runner: PagedRunner, sequence, ids: list[int], prefix: int, rows, clock, repeats: int) -> dict:
+    """ms of one step by rows after `prefix` cached positions, the least of `repeats` each: after a
+    long prefix each row gathers its session's pages, so k rows read the context's KV k times."""
     out = {}
     for count in rows:
         best = float("inf")
         for _ in range(repeats):
-            sequence.crop(LONG_PREFIX)
+            sequence.crop(prefix)
             started = clock()
-            runner.forward([(ids[LONG_PREFIX:LONG_PREFIX + count], sequence, count)])
+            runner.forward([(ids[prefix:prefix + count], sequence, count)])
             best = min(best, clock() - started)
         out[count] = round(best * 1e3, 3)
-    arena.release(sequence)
     return out
 
 
