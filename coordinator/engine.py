@@ -304,7 +304,8 @@ class SpeculativeEngine:
                     draft_queue_ms=proposal.batch.queue_ms, verify_batch_rows=result.batch.mean_rows,
                     verify_batch_calls=result.batch.mean_calls, verify_queue_ms=result.batch.queue_ms,
                     sources=proposal.sources, lookup_match=taken.match_length if proposal.free_tokens else 0,
-                    draft_bytes=result.draft_bytes)
+                    draft_bytes=result.draft_bytes,
+                    rpc_ms=proposal.batch.rpc_ms(draft_ms) + result.batch.rpc_ms(verify_ms))
                 self._record(record, stats, controller)
                 span.set_attributes(record.span_attributes())
                 if record.index == 0:  # what the prefills before it took from the prefix caches
@@ -334,11 +335,12 @@ class SpeculativeEngine:
         started = time.perf_counter()
         decoded = self._observe_load(self.verifier.decode(g.session_id, num_tokens, g.request.sampling,
                                                           g.timeout(), g.request.logprobs))
+        verify_ms = (time.perf_counter() - started) * 1e3
         # Not a speculation round: the stats count it, the round metrics do not (but its batching).
-        g.stats.record(RoundRecord(g.stats.rounds, 0, 0, 0, False, verify_ms=(time.perf_counter() - started) * 1e3,
+        g.stats.record(RoundRecord(g.stats.rounds, 0, 0, 0, False, verify_ms=verify_ms,
                                    verify_batch_rows=decoded.batch.mean_rows,
                                    verify_batch_calls=decoded.batch.mean_calls,
-                                   verify_queue_ms=decoded.batch.queue_ms))
+                                   verify_queue_ms=decoded.batch.queue_ms, rpc_ms=decoded.batch.rpc_ms(verify_ms)))
         self.metrics.observe_batch(decoded.batch.mean_rows, decoded.batch.queue_ms)
         return decoded
 

@@ -35,6 +35,7 @@ class RoundRecord:
     sources: Runs = ()
     lookup_match: int = 0
     draft_bytes: int = 0        # draft data sent to the verifier: token ids and probabilities
+    rpc_ms: float = 0.0         # the round's calls at the coordinator less their time in the services
 
     def __post_init__(self):
         assert not self.sources or sum(n for _, n in self.sources) == self.drafted, (self.sources, self.drafted)
@@ -95,6 +96,6 @@ class RoundRecord:
                 "specdec.verify.batch_calls": self.verify_batch_calls,
                 "specdec.verify.queue_ms": self.verify_queue_ms,
                 "specdec.draft.source": self.source, "specdec.draft_bytes": self.draft_bytes,
-                "specdec.lookup.match_length": self.lookup_match,
+                "specdec.lookup.match_length": self.lookup_match, "specdec.rpc_ms": self.rpc_ms,
                 **{f"specdec.draft.{name}.{key}": value for name, drafted, accepted in self.by_source()
                    for key, value in (("draft_tokens", drafted), ("accepted_tokens", accepted))}}

@@ -41,6 +41,7 @@ class Stats:
     probes: dict[str, ProbeCount] = field(default_factory=dict)  # exploration taken, per kind (explore.py)
     logprob_bytes: int = 0         # the TokenLogprobs the verifier sent, when the request asked
     expected_output_tokens: float = 0.0  # adaptive γ: what its drafter prefill and probes were priced against
+    rpc_ms: float = 0.0            # the calls' time at the coordinator less their time in the services
 
     def record(self, round: RoundRecord) -> None:
         self.rounds += 1
@@ -52,6 +53,7 @@ class Stats:
         self.accepted_tokens += round.accepted
         self.draft_ms += round.draft_ms
         self.verify_ms += round.verify_ms
+        self.rpc_ms += round.rpc_ms
         self.verify_queue_ms += round.verify_queue_ms
         self.draft_queue_ms += round.draft_queue_ms
         if round.verify_batch_rows:

@@ -14,7 +14,8 @@ from specdec.spec.sampling import SamplingConfig
 from specdec.v1 import common_pb2, coordinator_pb2 as pb
 from specdec_tools.distribution import chi_square_p, exact_first_two_token_distribution, observed_outcome
 from coordinator.service import seeded_gamma
-from tests.conftest import CHEAP_DRAFT_MS, TARGET_MS, wait_for, pinned_services, coordinator_stub, model_draft_tokens
+from tests.conftest import (CHEAP_DRAFT_MS, TARGET_MS, coordinator_stub, model_draft_tokens, pair_stub, pinned_services,
+                            wait_for)
 
 PROMPTS = [
     "Write a function that returns the sum of two numbers.",
@@ -60,6 +61,24 @@ def assert_greedy_equal(reference_stub, speculative_stub, prompts, gamma: int, m
 def test_greedy_speculative_output_equals_target_only(stack, gamma):
     assert len(PROMPTS) >= 10
     assert_greedy_equal(stack.coordinator_stub, stack.coordinator_stub, PROMPTS, gamma)
+
+
+def test_the_calls_rpc_cost_is_their_time_less_the_services_own(tiny_draft, tiny_target, monkeypatch):
+    """stats.rpc_ms is what the calls cost as calls: a verifier slow in its forwards makes the
+    rounds slow, not their calls (their time in the service is taken off)."""
+    with pair_stub(tiny_draft, tiny_target, gamma=3) as stub:
+        fast = tiny_target.lean.batch
+
+        def slow(items):
+            time.sleep(0.05)
+            return fast(items)
+        monkeypatch.setattr(tiny_target.lean, "batch", slow)   # after the warm-up: its curves stay
+        spec = generate(stub, PROMPTS[0], speculate=True, gamma=3, max_new_tokens=12).stats
+        target_only = generate(stub, PROMPTS[1], speculate=False, max_new_tokens=12).stats
+    for s in (spec, target_only):
+        assert s.verify_ms >= 50 * s.rounds, s     # every verify and decode call waited for a slow forward
+        assert 0 < s.rpc_ms < 10 * s.rounds, s     # ... which is the service's time, not the calls'
+    assert spec.rpc_ms < spec.draft_ms + spec.verify_ms - 50 * spec.rounds
 
 
 def test_stats_agree_with_the_tokens_and_the_time_the_client_saw(stack):

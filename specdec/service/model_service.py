@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from contextlib import contextmanager
 from typing import Callable, Generic, Iterator, Protocol, TypeVar
@@ -70,8 +71,9 @@ class ModelServiceBase(Generic[S]):
     def run_call(self, steps: Steps[T]) -> tuple[T, common_pb2.BatchStats]:
         """A call's steps through the scheduler: its forwards batched with other
         sessions'; its result, and what the scheduler did for it (for the response)."""
+        started = time.perf_counter()
         result, stats = self.scheduler.run(steps)
-        return result, batch_stats(stats, self.scheduler.pending_calls + 1)
+        return result, batch_stats(stats, self.scheduler.pending_calls + 1, (time.perf_counter() - started) * 1e3)
 
     def current_curve(self) -> CostCurve:
         return self.live.current() if self.live is not None else self.curve
@@ -196,9 +198,10 @@ def new_scheduler(loaded: LoadedModel, max_rows: int = MAX_BATCH_ROWS) -> Schedu
     return Scheduler(lean_batch_forward(loaded.lean) if loaded.lean else None, max_rows=max_rows)
 
 
-def batch_stats(stats: CallStats, pending_calls: int) -> common_pb2.BatchStats:
+def batch_stats(stats: CallStats, pending_calls: int, service_ms: float = 0.0) -> common_pb2.BatchStats:
     return common_pb2.BatchStats(forwards=stats.forwards, rows=stats.rows, max_rows=stats.max_rows,
-                                 queue_ms=stats.queue_ms, pending_calls=pending_calls, calls=stats.calls)
+                                 queue_ms=stats.queue_ms, pending_calls=pending_calls, calls=stats.calls,
+                                 service_ms=service_ms)
 
 
 def kv_pool(loaded: LoadedModel, kv_cache_mb: float) -> KVPool | None:

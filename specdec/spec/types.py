@@ -42,11 +42,18 @@ class BatchLoad:
     mean_rows: float = 0.0     # rows per forward, every call's
     mean_calls: float = 0.0    # calls per forward, itself included (1: it ran alone)
     queue_ms: float = 0.0
+    service_ms: float = 0.0    # the call's time in the service (0: no call reached one)
 
     @classmethod
     def from_proto(cls, batch) -> "BatchLoad":
         n = batch.forwards
-        return cls(n, batch.rows / n, batch.calls / n, batch.queue_ms) if n else cls()
+        return cls(n, batch.rows / n, batch.calls / n, batch.queue_ms, batch.service_ms) if n else \
+            cls(service_ms=batch.service_ms)
+
+    def rpc_ms(self, call_ms: float) -> float:
+        """Of a call that took `call_ms` at its client, the part outside the service (0 where no
+        service answered it: a free source's proposal)."""
+        return max(call_ms - self.service_ms, 0.0) if self.service_ms else 0.0
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\xa7\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x15\n\rpenalty_start\x18\x08 \x01(\rB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penalty\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"_\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x16.specdec.v1.TopLogprob\"\xc3\x05\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0cquantization\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x18\n\x10model_vocab_size\x18\x06 \x01(\r\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\t \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\n \x01(\r\x12\x1a\n\x12max_propose_tokens\x18\x0b \x01(\r\x12\x12\n\nforward_ms\x18\x0c \x03(\x02\x12\x1c\n\x14prefill_ms_per_token\x18\r \x01(\x02\x12\x10\n\x08\x66orwards\x18\x0e \x01(\x04\x12\x14\n\x0c\x66orward_rows\x18\x0f \x01(\x04\x12\x15\n\rpending_calls\x18\x10 \x01(\r\x12\x16\n\x0ekv_tokens_used\x18\x11 \x01(\x04\x12\x18\n\x10kv_tokens_budget\x18\x12 \x01(\x04\x12\x15\n\rsession_ttl_s\x18\x13 \x01(\x02\x12\x16\n\x0ekernel_choices\x18\x14 \x03(\t\x12\x1b\n\x13prefix_cache_blocks\x18\x15 \x01(\x04\x12\x1b\n\x13prefix_cache_tokens\x18\x16 \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\x17 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x18 \x01(\x04\x12\x1c\n\x14synthetic_acceptance\x18\x19 \x01(\x02\x12\x1f\n\x17sessions_ended_by_lease\x18\x1a \x01(\x04\x12\x1c\n\x14sessions_reaped_idle\x18\x1b \x01(\x04\x12\x17\n\x0fkernels_pending\x18\x1c \x01(\r\"v\n\nBatchStats\x12\x10\n\x08\x66orwards\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x10\n\x08max_rows\x18\x03 \x01(\r\x12\x10\n\x08queue_ms\x18\x04 \x01(\x02\x12\x15\n\rpending_calls\x18\x05 \x01(\r\x12\r\n\x05\x63\x61lls\x18\x06 \x01(\r\"3\n\nDraftProbs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\nprobs_fp16\x18\x02 \x01(\x0c\"\r\n\x0bInfoRequest\"t\n\x0eTokenizerFiles\x12\x34\n\x05\x66iles\x18\x01 \x03(\x0b\x32%.specdec.v1.TokenizerFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\x15\n\x13GetTokenizerRequest\"w\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\x0c\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x0f\n\x07lease_s\x18\x05 \x01(\x02\"~\n\x14StartSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x1c\n\x14prefix_cached_tokens\x18\x04 \x01(\r\"B\n\x12MatchPrefixRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\x0c\",\n\x13MatchPrefixResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\r\"F\n\x10KeepAliveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0f\n\x07lease_s\x18\x03 \x01(\x02\"<\n\x11KeepAliveResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x12\x16\n\x0eowned_sessions\x18\x02 \x01(\r\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"%\n\x12\x45ndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\xa7\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x15\n\rpenalty_start\x18\x08 \x01(\rB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penalty\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"_\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x16.specdec.v1.TopLogprob\"\xc3\x05\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0cquantization\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x18\n\x10model_vocab_size\x18\x06 \x01(\r\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\t \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\n \x01(\r\x12\x1a\n\x12max_propose_tokens\x18\x0b \x01(\r\x12\x12\n\nforward_ms\x18\x0c \x03(\x02\x12\x1c\n\x14prefill_ms_per_token\x18\r \x01(\x02\x12\x10\n\x08\x66orwards\x18\x0e \x01(\x04\x12\x14\n\x0c\x66orward_rows\x18\x0f \x01(\x04\x12\x15\n\rpending_calls\x18\x10 \x01(\r\x12\x16\n\x0ekv_tokens_used\x18\x11 \x01(\x04\x12\x18\n\x10kv_tokens_budget\x18\x12 \x01(\x04\x12\x15\n\rsession_ttl_s\x18\x13 \x01(\x02\x12\x16\n\x0ekernel_choices\x18\x14 \x03(\t\x12\x1b\n\x13prefix_cache_blocks\x18\x15 \x01(\x04\x12\x1b\n\x13prefix_cache_tokens\x18\x16 \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\x17 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x18 \x01(\x04\x12\x1c\n\x14synthetic_acceptance\x18\x19 \x01(\x02\x12\x1f\n\x17sessions_ended_by_lease\x18\x1a \x01(\x04\x12\x1c\n\x14sessions_reaped_idle\x18\x1b \x01(\x04\x12\x17\n\x0fkernels_pending\x18\x1c \x01(\r\"\x8a\x01\n\nBatchStats\x12\x10\n\x08\x66orwards\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x10\n\x08max_rows\x18\x03 \x01(\r\x12\x10\n\x08queue_ms\x18\x04 \x01(\x02\x12\x15\n\rpending_calls\x18\x05 \x01(\r\x12\r\n\x05\x63\x61lls\x18\x06 \x01(\r\x12\x12\n\nservice_ms\x18\x07 \x01(\x02\"3\n\nDraftProbs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\nprobs_fp16\x18\x02 \x01(\x0c\"\r\n\x0bInfoRequest\"t\n\x0eTokenizerFiles\x12\x34\n\x05\x66iles\x18\x01 \x03(\x0b\x32%.specdec.v1.TokenizerFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\x15\n\x13GetTokenizerRequest\"w\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\x0c\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x0f\n\x07lease_s\x18\x05 \x01(\x02\"~\n\x14StartSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x1c\n\x14prefix_cached_tokens\x18\x04 \x01(\r\"B\n\x12MatchPrefixRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\x0c\",\n\x13MatchPrefixResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\r\"F\n\x10KeepAliveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0f\n\x07lease_s\x18\x03 \x01(\x02\"<\n\x11KeepAliveResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x12\x16\n\x0eowned_sessions\x18\x02 \x01(\r\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"%\n\x12\x45ndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,32 +41,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROB']._serialized_end=481
   _globals['_MODELINFO']._serialized_start=484
   _globals['_MODELINFO']._serialized_end=1191
-  _globals['_BATCHSTATS']._serialized_start=1193
-  _globals['_BATCHSTATS']._serialized_end=1311
-  _globals['_DRAFTPROBS']._serialized_start=1313
-  _globals['_DRAFTPROBS']._serialized_end=1364
-  _globals['_INFOREQUEST']._serialized_start=1366
-  _globals['_INFOREQUEST']._serialized_end=1379
-  _globals['_TOKENIZERFILES']._serialized_start=1381
-  _globals['_TOKENIZERFILES']._serialized_end=1497
-  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_start=1453
-  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_end=1497
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=1499
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=1520
-  _globals['_STARTSESSIONREQUEST']._serialized_start=1522
-  _globals['_STARTSESSIONREQUEST']._serialized_end=1641
-  _globals['_STARTSESSIONRESPONSE']._serialized_start=1643
-  _globals['_STARTSESSIONRESPONSE']._serialized_end=1769
-  _globals['_MATCHPREFIXREQUEST']._serialized_start=1771
-  _globals['_MATCHPREFIXREQUEST']._serialized_end=1837
-  _globals['_MATCHPREFIXRESPONSE']._serialized_start=1839
-  _globals['_MATCHPREFIXRESPONSE']._serialized_end=1883
-  _globals['_KEEPALIVEREQUEST']._serialized_start=1885
-  _globals['_KEEPALIVEREQUEST']._serialized_end=1955
-  _globals['_KEEPALIVERESPONSE']._serialized_start=1957
-  _globals['_KEEPALIVERESPONSE']._serialized_end=2017
-  _globals['_ENDSESSIONREQUEST']._serialized_start=2019
-  _globals['_ENDSESSIONREQUEST']._serialized_end=2058
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=2060
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=2097
+  _globals['_BATCHSTATS']._serialized_start=1194
+  _globals['_BATCHSTATS']._serialized_end=1332
+  _globals['_DRAFTPROBS']._serialized_start=1334
+  _globals['_DRAFTPROBS']._serialized_end=1385
+  _globals['_INFOREQUEST']._serialized_start=1387
+  _globals['_INFOREQUEST']._serialized_end=1400
+  _globals['_TOKENIZERFILES']._serialized_start=1402
+  _globals['_TOKENIZERFILES']._serialized_end=1518
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_start=1474
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_end=1518
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=1520
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=1541
+  _globals['_STARTSESSIONREQUEST']._serialized_start=1543
+  _globals['_STARTSESSIONREQUEST']._serialized_end=1662
+  _globals['_STARTSESSIONRESPONSE']._serialized_start=1664
+  _globals['_STARTSESSIONRESPONSE']._serialized_end=1790
+  _globals['_MATCHPREFIXREQUEST']._serialized_start=1792
+  _globals['_MATCHPREFIXREQUEST']._serialized_end=1858
+  _globals['_MATCHPREFIXRESPONSE']._serialized_start=1860
+  _globals['_MATCHPREFIXRESPONSE']._serialized_end=1904
+  _globals['_KEEPALIVEREQUEST']._serialized_start=1906
+  _globals['_KEEPALIVEREQUEST']._serialized_end=1976
+  _globals['_KEEPALIVERESPONSE']._serialized_start=1978
+  _globals['_KEEPALIVERESPONSE']._serialized_end=2038
+  _globals['_ENDSESSIONREQUEST']._serialized_start=2040
+  _globals['_ENDSESSIONREQUEST']._serialized_end=2079
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=2081
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=2118
 # @@protoc_insertion_point(module_scope)

@@ -105,20 +105,22 @@ class ModelInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., vocab_size: _Optional[int] = ..., model_vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_propose_tokens: _Optional[int] = ..., forward_ms: _Optional[_Iterable[float]] = ..., prefill_ms_per_token: _Optional[float] = ..., forwards: _Optional[int] = ..., forward_rows: _Optional[int] = ..., pending_calls: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_budget: _Optional[int] = ..., session_ttl_s: _Optional[float] = ..., kernel_choices: _Optional[_Iterable[str]] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., synthetic_acceptance: _Optional[float] = ..., sessions_ended_by_lease: _Optional[int] = ..., sessions_reaped_idle: _Optional[int] = ..., kernels_pending: _Optional[int] = ...) -> None: ...
 
 class BatchStats(_message.Message):
-    __slots__ = ("forwards", "rows", "max_rows", "queue_ms", "pending_calls", "calls")
+    __slots__ = ("forwards", "rows", "max_rows", "queue_ms", "pending_calls", "calls", "service_ms")
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PENDING_CALLS_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
     forwards: int
     rows: int
     max_rows: int
     queue_ms: float
     pending_calls: int
     calls: int
-    def __init__(self, forwards: _Optional[int] = ..., rows: _Optional[int] = ..., max_rows: _Optional[int] = ..., queue_ms: _Optional[float] = ..., pending_calls: _Optional[int] = ..., calls: _Optional[int] = ...) -> None: ...
+    service_ms: float
+    def __init__(self, forwards: _Optional[int] = ..., rows: _Optional[int] = ..., max_rows: _Optional[int] = ..., queue_ms: _Optional[float] = ..., pending_calls: _Optional[int] = ..., calls: _Optional[int] = ..., service_ms: _Optional[float] = ...) -> None: ...
 
 class DraftProbs(_message.Message):
     __slots__ = ("token_ids", "probs_fp16")

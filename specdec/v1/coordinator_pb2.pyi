@@ -115,7 +115,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., ignore_eos: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "draft_ms", "verify_ms", "overhead_ms", "total_ms", "tokens_per_second", "prompt_tokens", "gamma", "prefill_ms", "fallback", "first_token_ms", "verify_batch_rows", "verify_queue_ms", "draft_queue_ms", "draft_sources", "draft_bytes", "draft_bytes_per_round", "prefix_cached_tokens", "draft_prefix_cached_tokens", "synthetic_acceptance", "probes", "logprob_bytes", "expected_output_tokens")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "draft_ms", "verify_ms", "overhead_ms", "total_ms", "tokens_per_second", "prompt_tokens", "gamma", "prefill_ms", "fallback", "first_token_ms", "verify_batch_rows", "verify_queue_ms", "draft_queue_ms", "draft_sources", "draft_bytes", "draft_bytes_per_round", "prefix_cached_tokens", "draft_prefix_cached_tokens", "synthetic_acceptance", "probes", "logprob_bytes", "expected_output_tokens", "rpc_ms")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class GenerationStats(_message.Message):
     PROBES_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_BYTES_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RPC_MS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
@@ -172,7 +173,8 @@ class GenerationStats(_message.Message):
     probes: _containers.RepeatedCompositeFieldContainer[ProbeStats]
     logprob_bytes: int
     expected_output_tokens: float
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., gamma: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., fallback: _Optional[str] = ..., first_token_ms: _Optional[float] = ..., verify_batch_rows: _Optional[float] = ..., verify_queue_ms: _Optional[float] = ..., draft_queue_ms: _Optional[float] = ..., draft_sources: _Optional[_Iterable[_Union[DraftSourceStats, _Mapping]]] = ..., draft_bytes: _Optional[int] = ..., draft_bytes_per_round: _Optional[float] = ..., prefix_cached_tokens: _Optional[int] = ..., draft_prefix_cached_tokens: _Optional[int] = ..., synthetic_acceptance: _Optional[float] = ..., probes: _Optional[_Iterable[_Union[ProbeStats, _Mapping]]] = ..., logprob_bytes: _Optional[int] = ..., expected_output_tokens: _Optional[float] = ...) -> None: ...
+    rpc_ms: float
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., gamma: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., fallback: _Optional[str] = ..., first_token_ms: _Optional[float] = ..., verify_batch_rows: _Optional[float] = ..., verify_queue_ms: _Optional[float] = ..., draft_queue_ms: _Optional[float] = ..., draft_sources: _Optional[_Iterable[_Union[DraftSourceStats, _Mapping]]] = ..., draft_bytes: _Optional[int] = ..., draft_bytes_per_round: _Optional[float] = ..., prefix_cached_tokens: _Optional[int] = ..., draft_prefix_cached_tokens: _Optional[int] = ..., synthetic_acceptance: _Optional[float] = ..., probes: _Optional[_Iterable[_Union[ProbeStats, _Mapping]]] = ..., logprob_bytes: _Optional[int] = ..., expected_output_tokens: _Optional[float] = ..., rpc_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "logprobs")

@@ -162,12 +162,14 @@ def pair_table(pair: dict, cpu_acceptance: float | None) -> list[str]:
     out = [f"Pair {pair['pair']} through the services (synthetic acceptance; decode ms per token after the "
            "first; speedup against target-only):", "",
            "| acceptance | system | ms / token | speedup | first draft kept | mean accepted length | drafted a round | "
-           "round outside the forwards, ms | stats marked |", "|---|---|---|---|---|---|---|---|---|"]
+           "round outside the forwards, ms | of it, the calls as calls (RPC), ms | stats marked |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         speed = f"{base / r['ms_per_token']:.2f}x" if base and r["ms_per_token"] else "-"
-        rpc = "-" if r["rpc_ms_per_round"] is None else f"{r['rpc_ms_per_round']:.2f}"
+        outside, rpc = ("-" if r.get(key) is None else f"{r[key]:.2f}"
+                        for key in ("outside_ms_per_round", "rpc_ms_per_round"))
         out.append(f"| {r['acceptance']} | {r['system']} | {r['ms_per_token']:.2f} | {speed} | {r['acceptance_seen']} | "
-                   f"{r['mean_accepted_length']} | {r['drafted_per_round']} | {rpc} | "
+                   f"{r['mean_accepted_length']} | {r['drafted_per_round']} | {outside} | {rpc} | "
                    f"{round(r['synthetic'], 3) or '-'} |")
     alphas = sorted({r["acceptance"] for r in runs} | ({cpu_acceptance} if cpu_acceptance else set()))
     bounds = [(a, predicted(pair, a)) for a in alphas]

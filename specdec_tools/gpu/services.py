@@ -10,10 +10,12 @@ start again for each (the rate is a start setting of the verifier).
 
 Per system (target-only; spec at fixed γ; spec-auto), greedy, `ignore_eos`:
 decode ms per token (after the first token, which is the prefill's), the
-acceptance and mean accepted length seen, and for fixed γ the time a round
-spends outside the two models' forwards (the two RPCs, the rejection sampler
-and the coordinator's work): the round's client-side time less γ draft steps
-and one verification of γ + 1 rows on the services' own synchronized curves.
+acceptance and mean accepted length seen, the calls' cost a round as calls
+(the stats' rpc_ms: their time at the coordinator less their time in the
+services), and for fixed γ the time a round spends outside the two models'
+forwards (the RPCs, the rejection sampler, the services' host work): the
+round's client-side time less γ draft steps and one verification of γ + 1 rows
+on the services' own synchronized curves.
 """
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ class Served:
     acceptance_seen: float = 0.0     # the first draft's acceptance over rounds
     mean_accepted_length: float = 0.0
     drafted_per_round: float = 0.0   # draft tokens a round: γ where fixed, the controller's choice where auto
-    rpc_ms_per_round: float | None = None
+    outside_ms_per_round: float | None = None   # fixed γ: the round's calls less the forwards on the curves
+    rpc_ms_per_round: float | None = None       # the round's calls less their time in the services
     synthetic: float = 0.0           # the stats' mark: must equal `acceptance` for spec systems
 
 
@@ -69,7 +72,7 @@ def _run(stub, result: PairResult, acceptance: float, system: str, prompts: list
          max_new_tokens: int) -> Served:
     served = Served(result.pair, acceptance, system, prompts=len(prompts))
     decode_ms = tokens = drafted = accepted = rounds = first_kept = 0.0
-    outside, outside_rounds = 0.0, 0
+    outside, outside_rounds, rpc_ms = 0.0, 0, 0.0
     for prompt in prompts:
         response = stub.Generate(_request(prompt, system, max_new_tokens), timeout=600)
         stats = response.stats
@@ -78,6 +81,7 @@ def _run(stub, result: PairResult, acceptance: float, system: str, prompts: list
         drafted += stats.draft_tokens
         accepted += stats.accepted_tokens
         rounds += stats.rounds
+        rpc_ms += stats.rpc_ms
         first_kept += stats.rounds * (stats.acceptance_by_position[0] if stats.acceptance_by_position else 0.0)
         served.synthetic = stats.synthetic_acceptance
         if system.startswith("γ=") and stats.rounds and result.draft_curve and result.verify_curve:
@@ -94,7 +98,9 @@ def _run(stub, result: PairResult, acceptance: float, system: str, prompts: list
         served.mean_accepted_length = round((accepted + rounds) / rounds, 3) if rounds else 0.0
         served.drafted_per_round = round(drafted / rounds, 2) if rounds else 0.0
     if outside_rounds:
-        served.rpc_ms_per_round = round(outside / outside_rounds, 3)
+        served.outside_ms_per_round = round(outside / outside_rounds, 3)
+    if rounds:
+        served.rpc_ms_per_round = round(rpc_ms / rounds, 3)
     return served
 
 
