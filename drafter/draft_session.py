@@ -114,7 +114,7 @@ class DraftSession:
             self.generator = make_generator(sampling, "drafter", self.loaded.device)
         self.round_base = len(self.seq)
         self.seq.append(prefix)
-        if self.chain and sampling.greedy and sampling.repetition_penalty == 1.0 and not sampling.additive_penalties:
+        if self.chain and sampling.greedy and not sampling.penalized:
             return (yield from self._chained_greedy(num_tokens, min_confidence, len(prefix)))
         draft_ids: list[int] = []
         draft_probs: list[DraftProbs] = []

@@ -38,6 +38,11 @@ class SamplingConfig:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
+    def penalized(self) -> bool:
+        """Whether a position's scores depend on the tokens before it (any penalty)."""
+        return self.repetition_penalty != 1.0 or self.additive_penalties
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 

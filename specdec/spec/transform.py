@@ -39,9 +39,9 @@ def transform_logits(
     n = logits.shape[0]
     assert logits.dim() == 2 and len(row_tokens) >= n - 1, (logits.shape, len(row_tokens))
     scores = logits[:, :vocab_size].float()
-    penalty = config.repetition_penalty != 1.0
-    if not penalty and not config.additive_penalties and config.greedy:
+    if not config.penalized and config.greedy:
         return scores
+    penalty = config.repetition_penalty != 1.0
     if penalty:
         # A penalty below 1 divides the seen tokens' positive logits by it, which
         # overflows float32 for a small one: those rows run in float64, where it

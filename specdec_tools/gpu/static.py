@@ -128,16 +128,19 @@ def prefilled(runner: PagedRunner, arena: KVArena, ids: list[int], prefix: int):
 def rows_ms(runner: PagedRunner, sequence, ids: list[int], prefix: int, rows, clock, repeats: int) -> dict:
     """ms of one step by rows after `prefix` cached positions, the least of `repeats` each: after a
     long prefix each row gathers its session's pages, so k rows read the context's KV k times."""
-    out = {}
-    for count in rows:
-        best = float("inf")
-        for _ in range(repeats):
-            sequence.crop(prefix)
-            started = clock()
-            runner.forward([(ids[prefix:prefix + count], sequence, count)])
-            best = min(best, clock() - started)
-        out[count] = round(best * 1e3, 3)
-    return out
+    return {count: least_ms(lambda: runner.forward([(ids[prefix:prefix + count], sequence, count)]),
+                            lambda: sequence.crop(prefix), clock, repeats) for count in rows}
+
+
+def least_ms(run, reset, clock, repeats: int) -> float:
+    """The least ms of `repeats` runs, each after `reset` (untimed)."""
+    best = float("inf")
+    for _ in range(repeats):
+        reset()
+        started = clock()
+        run()
+        best = min(best, clock() - started)
+    return round(best * 1e3, 3)
 
 
 def draft_round_ms(vocab: int, runner: PagedRunner, sequence, first: int, clock, repeats: int,
@@ -161,15 +164,8 @@ def draft_round_ms(vocab: int, runner: PagedRunner, sequence, first: int, clock,
             fed = token.view(1)
         torch.stack([torch.stack(tokens).double(), torch.stack(confidences).double()]).tolist()
 
-    out = {}
-    for name, run in (("read_each", read_each), ("chained", chained)):
-        best = float("inf")
-        for _ in range(repeats):
-            sequence.crop(start)
-            started = clock()
-            run()
-            best = min(best, clock() - started)
-        out[name] = round(best * 1e3, 3)
+    out = {name: least_ms(run, lambda: sequence.crop(start), clock, repeats)
+           for name, run in (("read_each", read_each), ("chained", chained))}
     sequence.crop(start)
     return out
 
