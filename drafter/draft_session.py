@@ -44,7 +44,7 @@ class DraftSession:
                  prefill: bool = True, chain: bool | None = None):
         self.loaded = loaded
         # Greedy drafts fed back on the device, read once a round (None: as the device's policy says).
-        self.chain = loaded.policy.chains_drafts if chain is None else chain
+        self.chain = loaded.policy.chains_steps if chain is None else chain
         self.seq = SequenceCache(loaded, prompt_ids, pool)
         if prefill:  # else the caller runs seq.prefill_steps() (a service, through its scheduler)
             self.seq.prefill()

@@ -8,6 +8,7 @@ import secrets
 import torch
 
 from specdec.rpc.errors import InvalidArgument
+from specdec.runtime.device import HostCopy
 from specdec.runtime.sequence import SequenceCache, Steps, drive
 from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.models import LoadedModel
@@ -19,8 +20,10 @@ from specdec.spec.transform import make_generator, sample_at, scores_to_probs, t
 
 class TargetSession:
     def __init__(self, loaded: LoadedModel, prompt_ids: list[int], pool: KVPool | None = None,
-                 prefill: bool = True):
+                 prefill: bool = True, chain: bool | None = None):
         self.loaded = loaded
+        # Decoded tokens fed back on the device, read a step behind (None: as the device's policy says).
+        self.chain = loaded.policy.chains_steps if chain is None else chain
         self.seq = SequenceCache(loaded, prompt_ids, pool)
         if prefill:  # else the caller runs seq.prefill_steps() (a service, through its scheduler)
             self.seq.prefill()
@@ -109,6 +112,8 @@ class TargetSession:
         """Plain target-only decoding, a Forward step a token; stops after an EOS token.
         `logprobs` set: each token's `token_logprobs` row is appended to `logprobs_out`."""
         self._check_room(num_tokens)
+        if self.chain and not sampling.penalized and logprobs is None:
+            return (yield from self._chained_decode(num_tokens, sampling))
         out: list[int] = []
         for _ in range(num_tokens):
             logits = yield from self.seq.step([], keep_last=1)
@@ -123,4 +128,35 @@ class TargetSession:
             out.append(token)
             if token in self.loaded.eos_token_ids:
                 break
+        return out
+
+    def _chained_decode(self, num_tokens: int, sampling: SamplingConfig) -> Steps[list[int]]:
+        """decode_steps with each token fed back from the device (its scores need no history: no
+        penalty) and read a step behind: the host queues step i before it waits for token i-1
+        and checks it for an EOS, so the device runs a step while the host reads. An EOS then
+        costs the step queued after it, whose cache entry is dropped: the session is left as
+        the step-by-step loop leaves it, every token but the last fed."""
+        if num_tokens == 0:
+            return []
+        start = len(self.seq)                       # the first new token's position
+        uniforms = None if sampling.greedy else \
+            self._uniforms(sampling, start, num_tokens)[:, 0].to(self.loaded.device)
+        copies: list[HostCopy] = []
+        out: list[int] = []
+        for i in range(num_tokens):
+            logits = yield from (self.seq.step_on_device(token, keep_last=1) if i
+                                 else self.seq.step([], keep_last=1))
+            scores = transform_logits(logits, self.seq.tokens, [], sampling, self.loaded.vocab_size)
+            token = scores.argmax(dim=-1) if sampling.greedy else \
+                sample_at(scores_to_probs(scores), uniforms[i:i + 1])       # [1] on the device
+            copies.append(HostCopy(token))
+            if i:                                   # the token before, read while this step runs
+                out.extend(copies[i - 1].tolist())
+                if out[-1] in self.loaded.eos_token_ids:
+                    break
+        else:
+            out.extend(copies[-1].tolist())
+        self.seq.resolve(start, out[:len(self.seq) - start])   # the tokens fed from the device
+        self.seq.truncate(start + len(out) - 1)     # after an EOS: its step's cache entry dropped
+        self.seq.append(out[-1:])
         return out

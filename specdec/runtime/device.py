@@ -12,8 +12,9 @@ tensor's) and read by the code that runs it, instead of device checks of its own
 - A GPU runs kernels after their launch returns: a clock synchronizes first, and
   host timing cannot choose between kernels, so its paths are fixed (fused
   attention, the static step). The static step's inputs are staged in pinned memory
-  and each row bucket replays a CUDA graph; a greedy draft's steps are chained on the
-  device, read once a round. Memory is the GPU's free memory.
+  and each row bucket replays a CUDA graph; a session's steps are fed their tokens on
+  the device: a greedy draft's round is read once, target-only decoding a step behind
+  the queue (`HostCopy`). Memory is the GPU's free memory.
 """
 from __future__ import annotations
 
@@ -55,10 +56,12 @@ class DevicePolicy:
         return self.device.type == "cpu"
 
     @property
-    def chains_drafts(self) -> bool:
-        """Whether a greedy draft's steps feed each token from the device (the drafter reads the
-        round's tokens once, not a token a step: each read waits for the GPU's queue to drain).
-        The CPU keeps the step-by-step loop, whose confidence rule saves the steps it cuts."""
+    def chains_steps(self) -> bool:
+        """Whether a session's steps feed each token from the device, so the host queues a step
+        before it reads the token before it (a read waits for the GPU's queue to drain): the
+        drafter reads a greedy round's tokens once, target-only decoding reads each token a
+        step behind. The CPU keeps the step-by-step loops: nothing runs while the host reads,
+        and the drafter's confidence rule there saves the steps it cuts."""
         return self.on_gpu
 
     @property
@@ -107,3 +110,26 @@ class DevicePolicy:
 @functools.lru_cache(maxsize=None)
 def policy(device: torch.device | str) -> DevicePolicy:
     return DevicePolicy(torch.device(device))
+
+
+class HostCopy:
+    """A device tensor's values on their way to the host. On a GPU the copy is queued now, into
+    pinned memory, behind the work that computes them, with an event after it: `tolist` then
+    waits for that work alone, while the steps queued after it run (a plain read waits for the
+    whole queue). On the CPU the values are already there."""
+
+    def __init__(self, values: torch.Tensor):
+        self.done: torch.cuda.Event | None = None
+        if values.device.type != "cuda":
+            self.values = values
+            return
+        # The caching host allocator hands back a pinned block it holds: no cudaHostAlloc a step.
+        self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        self.values.copy_(values, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def tolist(self):
+        if self.done is not None:
+            self.done.synchronize()
+        return self.values.tolist()

@@ -5,8 +5,9 @@ row bucket), beside the HBM floor, for the GPU check:
     model's floor: its weights' bytes read once at that rate;
   - ms of one step by rows after a 128-token prefix, each the least of a few replays
     (on the CPU, the eager step: it runs, its times say nothing of a GPU);
-  - a 4-token greedy draft round, each token read back before the next step against the
-    steps chained on the device and read once (what a GPU's drafter runs);
+  - 4 greedy steps three ways: each token read back before the next step is queued (the
+    CPU's loops), each read a step behind (a GPU's target-only decoding), and all chained
+    on the device and read once (a GPU's drafter);
   - 1 and 8 rows after a 1,024-token context (each row gathers its pages: flatness there);
   - the step's greedy tokens against the lean forward's over 16 decode steps (bf16:
     where they differ, a tie is all that may part them).
@@ -23,12 +24,12 @@ from specdec.runtime.kv_arena import KVArena, device_budget_bytes
 from specdec.runtime.models import load_model
 from specdec.runtime.paged_step import BUCKETS, PagedRunner
 from specdec.runtime.sequence import SequenceCache
-from specdec.runtime.device import policy
+from specdec.runtime.device import HostCopy, policy
 from specdec.service.warm_up import CURVE_PREFIX
 from specdec_tools.gpu.steps import bf16_steps_apart
 
 ROWS = (1, 2, 4, 8, 16)
-DRAFT_ROUND = 4     # tokens of the greedy draft round timed both ways
+CHAIN = 4           # greedy steps timed each way a session reads its tokens
 LONG_PREFIX = 1024  # a long prompt's context: each row gathers its pages, so k rows read its KV k times
 MAX_CONTEXT = 2048  # the tables' reach (the 128-token timings still read a 256-token context bucket)
 
@@ -100,7 +101,7 @@ def measure(label: str, path: str, *, device: str, seed: int, bandwidth_gbps: fl
         if out["floor_ms"]:
             out["one_row_over_floor"] = round(one / out["floor_ms"], 2)
         sequence.crop(CURVE_PREFIX)
-        out["draft_round_ms"] = draft_round_ms(loaded.vocab_size, runner, sequence, ids[CURVE_PREFIX], clock, repeats)
+        out["chain_ms"] = chain_ms(loaded.vocab_size, runner, sequence, ids[CURVE_PREFIX], clock, repeats)
         long = prefilled(runner, arena, ids, LONG_PREFIX)
         out["long_rows_ms"] = rows_ms(runner, long, ids, LONG_PREFIX, [n for n in (1, 8) if n in rows], clock, repeats)
         arena.release(long)
@@ -143,29 +144,44 @@ def least_ms(run, reset, clock, repeats: int) -> float:
     return round(best * 1e3, 3)
 
 
-def draft_round_ms(vocab: int, runner: PagedRunner, sequence, first: int, clock, repeats: int,
-                   gamma: int = DRAFT_ROUND) -> dict:
-    """A greedy draft round of `gamma` tokens on the step, both ways the drafter runs one
-    (drafter.draft_session): each token read back before the next step is queued (the CPU's
-    loop), and chained on the device, read once (a GPU's). The least of a few rounds each."""
+def chain_ms(vocab: int, runner: PagedRunner, sequence, first: int, clock, repeats: int,
+             steps: int = CHAIN) -> dict:
+    """`steps` greedy steps on the step, each way a session reads its tokens: each read back
+    before the next step is queued (the CPU's loops), each read a step behind with the next
+    step fed from the device (a GPU's target-only decoding: verifier.target_session), and all
+    fed from the device and read once (a GPU's greedy draft round: drafter.draft_session). The
+    least of a few runs each."""
     start = sequence.length
+
+    def step(fed) -> torch.Tensor:
+        return runner.forward([(fed, sequence, 1)])[0][0, :vocab]
 
     def read_each() -> None:
         token = first
-        for _ in range(gamma):
-            token, _ = greedy_draft(runner.forward([([token], sequence, 1)])[0][0, :vocab])
+        for _ in range(steps):
+            token, _ = greedy_draft(step([token]))
+
+    def read_behind() -> None:
+        fed, last = [first], None
+        for _ in range(steps):
+            token = step(fed).argmax(dim=-1, keepdim=True)
+            copy = HostCopy(token)
+            if last is not None:
+                last.tolist()
+            fed, last = token, copy
+        last.tolist()
 
     def chained() -> None:
         fed, tokens, confidences = [first], [], []
-        for _ in range(gamma):
-            token, confidence = greedy_on_device(runner.forward([(fed, sequence, 1)])[0][0, :vocab])
+        for _ in range(steps):
+            token, confidence = greedy_on_device(step(fed))
             tokens.append(token)
             confidences.append(confidence)
             fed = token.view(1)
         torch.stack([torch.stack(tokens).double(), torch.stack(confidences).double()]).tolist()
 
     out = {name: least_ms(run, lambda: sequence.crop(start), clock, repeats)
-           for name, run in (("read_each", read_each), ("chained", chained))}
+           for name, run in (("read_each", read_each), ("read_behind", read_behind), ("chained", chained))}
     sequence.crop(start)
     return out
 
