@@ -143,6 +143,7 @@ class TargetSession:
             self._uniforms(sampling, start, num_tokens)[:, 0].to(self.loaded.device)
         copies: list[HostCopy] = []
         out: list[int] = []
+        token = None                                # [1] on the device: the last step's
         for i in range(num_tokens):
             logits = yield from (self.seq.step_on_device(token, keep_last=1) if i
                                  else self.seq.step([], keep_last=1))
