@@ -11,6 +11,7 @@ import torch
 from specdec.runtime import torch_thread
 from specdec.runtime.batching import Scheduler, lean_batch_forward
 from specdec.runtime.cost_curve import RowCost, gathered_cost
+from specdec.runtime.device import EventTimer, HostTimer, policy
 from specdec.rpc.errors import ResourceExhausted
 from specdec.runtime.sequence import Forward, SequenceCache
 from specdec.runtime.kv_pool import KVPool
@@ -193,3 +194,44 @@ def test_without_a_scheduler_a_session_drives_its_own_forwards(tiny_target):
     with pytest.raises(StopIteration) as done:
         steps.send(forward.run())
     assert done.value.value.shape == (2, tiny_target.model_vocab_size)
+
+
+class DeviceEvents:
+    """A GPU's timing events, the true boundary here: each forward runs `ms` on the device's
+    clock, and the device has passed every event but those of the forward queued last."""
+
+    def __init__(self, ms: float):
+        self.ms, self.now, self.recorded = ms, 0.0, []
+
+    def event(self):
+        device = self
+
+        class Event:
+            def record(self):
+                self.index = len(device.recorded)
+                if self.index % 2:           # a forward's end: the device ran it
+                    device.now += device.ms
+                self.at = device.now
+                device.recorded.append(self)
+
+            def query(self) -> bool:
+                return self.index < len(device.recorded) - 2
+
+            def elapsed_time(self, end) -> float:
+                return end.at - self.at
+        return Event()
+
+
+def test_a_gpu_s_forwards_are_timed_by_its_events_as_the_device_passes_them(tiny_target):
+    """The host's clock reads a GPU forward's launch: the live curve gets the device's ms, each
+    once the device has passed its forward, without waiting for it."""
+    device = DeviceEvents(ms=40.0)
+    seen = []
+    scheduler = Scheduler(lean_batch_forward(tiny_target.lean), timer=EventTimer(device.event),
+                          on_forward=lambda rows, calls, ms, prefill_rows: seen.append((rows, calls, ms, len(seen))))
+    session = TargetSession(tiny_target, PROMPTS[2])
+    tokens, _ = run_concurrently(scheduler, [lambda: session.decode_steps(4, SamplingConfig())])[0]
+    assert len(tokens) == 4 and scheduler.forwards == 4
+    assert seen == [(1, 1, 40.0, 0), (1, 1, 40.0, 1), (1, 1, 40.0, 2)]   # the last forward: not passed yet
+    assert isinstance(policy("cuda").forward_timer(), EventTimer)       # what a GPU's services use
+    assert isinstance(policy("cpu").forward_timer(), HostTimer)

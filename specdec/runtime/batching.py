@@ -31,6 +31,7 @@ from typing import Callable, TypeVar
 import torch
 
 from specdec.runtime import torch_thread
+from specdec.runtime.device import EventTimer, HostTimer
 from specdec.runtime.sequence import Forward, Steps, run_steps
 
 T = TypeVar("T")
@@ -68,7 +69,8 @@ class Scheduler:
 
     def __init__(self, batch_forward: Callable[[list[Forward]], list[torch.Tensor]] | None = None,
                  max_rows: int = 256, cost: Callable[[int], float] | None = None,
-                 on_forward: Callable[[int, int, float, int], None] = lambda rows, calls, ms, prefill_rows: None):
+                 on_forward: Callable[[int, int, float, int], None] = lambda rows, calls, ms, prefill_rows: None,
+                 timer: HostTimer | EventTimer | None = None):
         # batch_forward(forwards) -> their logits, one forward; None: each forward alone.
         self.batch_forward = batch_forward
         self.max_rows = max_rows
@@ -78,6 +80,8 @@ class Scheduler:
         self.batch_cost: Callable[[int], float] | None = None
         # (rows, calls, ms, prefill_rows: those of prefill chunks) after each forward: the live cost curve
         self.on_forward = on_forward
+        # What reads a forward's ms: the device's policy's (a GPU's arrive a forward or more late).
+        self.timer = timer or HostTimer()
         self._lock = threading.Lock()
         self._incoming: list[_Call] = []
         self._active: list[_Call] = []    # torch thread only
@@ -171,6 +175,7 @@ class Scheduler:
             s.calls += len(ready)
             s.queue_ms += (started - call.ready_at) * 1e3
         if self.batch_forward is not None and len(ready) > 1:
+            mark = self.timer.start()
             try:
                 outputs = self.batch_forward([c.pending for c in ready])
             except Exception:
@@ -179,27 +184,28 @@ class Scheduler:
                 # that fails leaves every cache as it was (LeanForward.batch).
                 outputs = None
             if outputs is not None:
-                self._forwarded(rows, len(ready), started,
+                self._forwarded(rows, len(ready), mark,
                                 sum(len(c.pending.feed) for c in ready if c.pending.keep_last == 0))
                 for call, logits in zip(ready, outputs):
                     self._advance(call, lambda c, out=logits: c.steps.send(out))
                 return
         for call in ready:
-            alone = time.perf_counter()
+            mark = self.timer.start()
             try:
                 logits = call.pending.run()
             except BaseException as exc:
                 self._advance(call, lambda c, e=exc: c.steps.throw(e))
                 continue
             feed = len(call.pending.feed)
-            self._forwarded(feed, 1, alone, feed if call.pending.keep_last == 0 else 0)
+            self._forwarded(feed, 1, mark, feed if call.pending.keep_last == 0 else 0)
             self._advance(call, lambda c, out=logits: c.steps.send(out))
 
-    def _forwarded(self, rows: int, calls: int, started: float, prefill_rows: int) -> None:
+    def _forwarded(self, rows: int, calls: int, mark, prefill_rows: int) -> None:
         self.forwards += 1
         self.forward_rows += rows
         try:
-            self.on_forward(rows, calls, (time.perf_counter() - started) * 1e3, prefill_rows)
+            for (rows_, calls_, prefill_), ms in self.timer.stop(mark, (rows, calls, prefill_rows)):
+                self.on_forward(rows_, calls_, ms, prefill_)
         except Exception:  # metrics must never fail a call
             log.exception("the scheduler's on_forward hook failed")
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -88,6 +89,11 @@ class DevicePolicy:
             return time.perf_counter()
         return synchronized
 
+    def forward_timer(self) -> "HostTimer | EventTimer":
+        """What times a service's forwards as they run (its live cost curve): the host's clock
+        on the CPU, CUDA events on a GPU, where the host's clock reads a forward's launch."""
+        return EventTimer() if self.on_gpu else HostTimer()
+
     def free_bytes(self) -> int:
         """Bytes this process can still take: a GPU's free memory; else the machine's
         available memory, or less under a cgroup limit (a container's: psutil sees the
@@ -133,3 +139,43 @@ class HostCopy:
         if self.done is not None:
             self.done.synchronize()
         return self.values.tolist()
+
+
+class HostTimer:
+    """The CPU's forwards run inside their calls: the host's clock around one is its time."""
+
+    def start(self) -> float:
+        return time.perf_counter()
+
+    def stop(self, started: float, what: Any) -> list[tuple[Any, float]]:
+        """[(what, ms)]: this forward's time, known at once."""
+        return [(what, (time.perf_counter() - started) * 1e3)]
+
+
+class EventTimer:
+    """A GPU's forwards run after their calls return: the host's clock around one reads its
+    launch (a CUDA graph's replay: a tenth of a millisecond, whatever the model), and a clock
+    that synchronized would stall the chained steps. A pair of CUDA events around each forward
+    reads its time on the device instead, once the device has passed the pair (`query`: no
+    wait), so each time arrives a forward or more late. Pairs the device has not passed within
+    `keep` later forwards are dropped unread rather than waited for."""
+
+    def __init__(self, event: Callable[[], Any] = lambda: torch.cuda.Event(enable_timing=True), keep: int = 64):
+        self._event = event
+        self._pending: deque = deque(maxlen=keep)   # (start, end, what), oldest first
+
+    def start(self):
+        event = self._event()
+        event.record()
+        return event
+
+    def stop(self, started, what: Any) -> list[tuple[Any, float]]:
+        """[(what, ms)] of every forward the device has finished since the last call, in order."""
+        end = self._event()
+        end.record()
+        self._pending.append((started, end, what))
+        done = []
+        while self._pending and self._pending[0][1].query():
+            begun, ended, forward = self._pending.popleft()
+            done.append((forward, begun.elapsed_time(ended)))
+        return done

@@ -195,7 +195,8 @@ class ModelServiceBase(Generic[S]):
 
 def new_scheduler(loaded: LoadedModel, max_rows: int = MAX_BATCH_ROWS) -> Scheduler:
     """Batched forwards on the lean forward; on transformers' forward, each alone."""
-    return Scheduler(lean_batch_forward(loaded.lean) if loaded.lean else None, max_rows=max_rows)
+    return Scheduler(lean_batch_forward(loaded.lean) if loaded.lean else None, max_rows=max_rows,
+                     timer=loaded.policy.forward_timer())
 
 
 def batch_stats(stats: CallStats, pending_calls: int, service_ms: float = 0.0) -> common_pb2.BatchStats:
