@@ -82,7 +82,7 @@ class TargetSession:
         # 2. The same transform as the drafter, row i seeing the history up to draft i.
         scores = transform_logits(logits, self.seq.tokens[:base], draft_token_ids, sampling,
                                   self.loaded.vocab_size)                               # [gamma+1, vocab]
-        draft = torch.tensor(draft_token_ids, dtype=torch.long, device=scores.device)
+        draft = torch.tensor(draft_token_ids, dtype=torch.long)                          # [gamma] on the host
         # 3. Accept / reject.
         if synthetic_acceptance:
             accepted = synthetic_num_accepted(gamma, synthetic_acceptance, self._generator(sampling))
