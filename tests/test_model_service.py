@@ -201,3 +201,38 @@ def test_a_pinned_cost_curve_is_published_instead_of_a_measured_one(tiny_target,
         assert list(info.forward_ms) == [20.0, 21.5, 23.0] and info.prefill_ms_per_token == 2.5
     finally:
         running.stop(0)
+
+
+def test_start_session_answers_once_the_device_has_done_its_prefill(tiny_draft, monkeypatch):
+    """A GPU runs a prefill's chunks after they are queued, and nothing reads them: StartSession
+    waits, on its own thread, for a mark the torch thread made after the last chunk, so its
+    latency is the prefill's (the coordinator prices the drafter's prefill by it)."""
+    import drafter.service
+    from specdec.runtime import torch_thread
+    from specdec.runtime.batching import Scheduler
+    from specdec.runtime.device import DevicePolicy
+    from specdec.v1 import drafter_pb2_grpc
+    log: list[tuple[str, bool]] = []
+
+    class Mark:                       # the device's side: where it was made and waited
+        def __init__(self):
+            log.append(("mark", torch_thread.on_it()))
+
+        def wait(self):
+            log.append(("wait", torch_thread.on_it()))
+
+    forwarded = Scheduler._forwarded
+    monkeypatch.setattr(Scheduler, "_forwarded",
+                        lambda self, *args: (log.append(("forward", torch_thread.on_it())), forwarded(self, *args)))
+    monkeypatch.setattr(DevicePolicy, "mark", lambda self: Mark())
+    running = drafter.service.serve(tiny_draft, cost_curve_rows=0, prefill_chunk=16)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
+            log.clear()
+            reply = drafter_pb2_grpc.DrafterStub(ch).StartSession(
+                common_pb2.StartSessionRequest(session_id="marked", prompt_token_ids=list(range(3, 43))))
+            log.append(("answered", False))
+        assert reply.cached_tokens == 39
+        assert log == [("forward", True)] * 3 + [("mark", True), ("wait", False), ("answered", False)]
+    finally:
+        running.stop(0)

@@ -89,6 +89,10 @@ class DevicePolicy:
             return time.perf_counter()
         return synchronized
 
+    def mark(self) -> "DeviceMark":
+        """A mark after the work this thread has queued on the device (`DeviceMark`)."""
+        return DeviceMark(self.device)
+
     def forward_timer(self) -> "HostTimer | EventTimer":
         """What times a service's forwards as they run (its live cost curve): the host's clock
         on the CPU, CUDA events on a GPU, where the host's clock reads a forward's launch."""
@@ -118,26 +122,38 @@ def policy(device: torch.device | str) -> DevicePolicy:
     return DevicePolicy(torch.device(device))
 
 
+class DeviceMark:
+    """A mark in a GPU's queue after the work this thread has queued so far: `wait` returns once
+    the device has done that work, and blocks only its caller (the work queued after the mark
+    goes on; torch releases the GIL while it waits). On the CPU the work is done when queued."""
+
+    def __init__(self, device: torch.device):
+        self.event: torch.cuda.Event | None = None
+        if device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
 class HostCopy:
     """A device tensor's values on their way to the host. On a GPU the copy is queued now, into
-    pinned memory, behind the work that computes them, with an event after it: `tolist` then
+    pinned memory, behind the work that computes them, with a mark after it: `tolist` then
     waits for that work alone, while the steps queued after it run (a plain read waits for the
     whole queue). On the CPU the values are already there."""
 
     def __init__(self, values: torch.Tensor):
-        self.done: torch.cuda.Event | None = None
-        if values.device.type != "cuda":
-            self.values = values
-            return
-        # The caching host allocator hands back a pinned block it holds: no cudaHostAlloc a step.
-        self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        self.values.copy_(values, non_blocking=True)
-        self.done = torch.cuda.Event()
-        self.done.record()
+        device = values.device
+        if device.type == "cuda":
+            # The caching host allocator hands back a pinned block it holds: no cudaHostAlloc a step.
+            pinned = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            values = pinned.copy_(values, non_blocking=True)
+        self.values, self.done = values, DeviceMark(device)
 
     def tolist(self):
-        if self.done is not None:
-            self.done.synchronize()
+        self.done.wait()
         return self.values.tolist()
 
 

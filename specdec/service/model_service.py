@@ -12,6 +12,7 @@ from typing import Callable, Generic, Iterator, Protocol, TypeVar
 
 from specdec.runtime import kernel_choices, torch_thread
 from specdec.runtime.batching import CallStats, Scheduler, lean_batch_forward
+from specdec.runtime.device import DeviceMark
 from specdec.rpc.errors import InvalidArgument
 from specdec.runtime.cost_curve import CostCurve, LiveCurve, RowCost, gathered_cost, pinned_curve
 from specdec.spec.limits import MAX_PROPOSE_TOKENS, validate_token_ids
@@ -147,10 +148,18 @@ class ModelServiceBase(Generic[S]):
         if self.prefix is not None:
             reused[0] = self.prefix.attach(session.seq, salt)
         # The rest in chunks, through the scheduler: other sessions' rounds go on between them.
-        self.run_call(session.seq.prefill_steps(self.prefill_chunk))
+        done, _ = self.run_call(self._prefill_steps(session))
         if self.prefix is not None:
             self.prefix.store(session.seq, salt)
+        # StartSession answers once the device has cached the prompt (a GPU runs the chunks after
+        # they are queued, and nothing here reads them): the coordinator prices the drafter's
+        # prefill by this call's latency.
+        done.wait()
         return session
+
+    def _prefill_steps(self, session: S) -> Steps[DeviceMark]:
+        yield from session.seq.prefill_steps(self.prefill_chunk)
+        return self.loaded.policy.mark()   # made on the torch thread, after the last chunk was queued
 
     def MatchPrefix(self, request, context) -> common_pb2.MatchPrefixResponse:
         prompt = list(request.prompt_token_ids)
