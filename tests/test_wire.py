@@ -35,6 +35,18 @@ def test_entries_survive_the_wire_and_each_form_rebuilds_its_distribution():
     assert (rebuilt[1] > 0).sum() == 4 and sparse.token_ids[0] == int(probs.argmax())
 
 
+def test_a_proposal_is_validated_on_the_host_and_built_where_the_target_scores_it():
+    """Built on the target's device, with nothing there read back (a meta tensor has no values:
+    a read would raise), the support's ids and values sent rather than rows of the vocabulary."""
+    probs = torch.softmax(torch.arange(V, dtype=torch.float32) / 3, dim=0)
+    sparse = truncate_for_wire(probs, Truncation(top_k=4))
+    entries, ids = (ONE_HOT, sparse, dense_for_wire(probs)), [5, sparse.token_ids[0], 2]
+    rebuilt = draft_probs_tensor(entries, ids, V, device="meta")
+    assert rebuilt.device.type == "meta" and rebuilt.shape == (3, V)
+    with pytest.raises(InvalidArgument, match="gives its drafted token 7 probability 0"):
+        draft_probs_tensor([sparse], [7], V, device="meta")
+
+
 @pytest.mark.parametrize("entry, token, message", [
     (DraftProbs((3, 4), np.array([0.5, 0.5], dtype="<f2").tobytes()), 7, "gives its drafted token 7 probability 0"),
     (DraftProbs((3, 3), np.array([0.5, 0.5], dtype="<f2").tobytes()), 3, "repeats an id"),

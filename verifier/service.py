@@ -47,7 +47,7 @@ class VerifierServicer(ModelServiceBase[TargetSession], verifier_pb2_grpc.Verifi
         def steps(session: TargetSession):
             # Per token after the free ones (sparse, dense or one-hot), validated.
             draft_probs = None if sampling.greedy else draft_probs_tensor(entries, draft, self.loaded.vocab_size,
-                                                                          request.free_tokens)
+                                                                          request.free_tokens, self.loaded.device)
             return (yield from session.verify_steps(draft, draft_probs, sampling, self.synthetic_acceptance,
                                                     logprobs))
 

@@ -93,29 +93,42 @@ def dense_for_wire(probs: torch.Tensor) -> DraftProbs:
 
 
 def draft_probs_tensor(entries: Sequence[DraftProbs], draft_token_ids: Sequence[int],
-                       vocab_size: int, free_tokens: int = 0) -> torch.Tensor:
+                       vocab_size: int, free_tokens: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
     """The verifier's [gamma - free_tokens, V] float32 draft_probs from one entry per
     drafted token after the free sources' leading ones (which have none), validated:
-    each must be a distribution that gives its token a chance."""
+    each must be a distribution that gives its token a chance. Validated on the host and
+    built on `device` (the target's probabilities'): a truncated or one-hot proposal goes
+    there as its support's ids and values, not as rows of the vocabulary (on a GPU, four
+    dense fp32 rows over Qwen's vocabulary are 2.4 MB copied from pageable memory)."""
     if not 0 <= free_tokens <= len(draft_token_ids):
         raise InvalidArgument(f"free_tokens={free_tokens} is more than the {len(draft_token_ids)} draft tokens")
     drafted = draft_token_ids[free_tokens:]
     if len(entries) != len(drafted):
         raise InvalidArgument(f"draft_probs has {len(entries)} entries for {len(drafted)} draft tokens after the "
                               f"{free_tokens} free ones; send one per such token (an empty entry is a one-hot proposal)")
-    out = torch.zeros(len(entries), vocab_size)
+    sparse: list[tuple[int, torch.Tensor, torch.Tensor]] = []   # (row, support ids, their probabilities)
+    dense: list[tuple[int, torch.Tensor]] = []                  # (row, [V]): an untruncated proposal
     for i, (entry, token) in enumerate(zip(entries, drafted)):
         where = f"draft_probs[{i}]"
-        if entry.one_hot:
-            out[i, token] = 1.0
-            continue
-        if not entry.token_ids:
-            out[i] = decode_probs(entry.probs_fp16, 1, vocab_size, where)[0]
+        if entry.one_hot or entry.token_ids:
+            support, probs = (torch.tensor([token]), torch.ones(1)) if entry.one_hot else \
+                (_support(entry, vocab_size, where), _sparse_values(entry, where))
+            chance = float(probs[support == token].sum())
+            sparse.append((i, support, probs))
         else:
-            out[i, _support(entry, vocab_size, where)] = _sparse_values(entry, where)
-        if out[i, token] <= 0:
+            row = decode_probs(entry.probs_fp16, 1, vocab_size, where)[0]
+            chance = float(row[token])
+            dense.append((i, row))
+        if not chance > 0:
             raise InvalidArgument(f"{where} gives its drafted token {token} probability 0; each token must be "
                                   "sampled from the distribution sent with it")
+    out = torch.zeros(len(entries), vocab_size, device=device)
+    if sparse:
+        rows = torch.cat([torch.full_like(ids, i) for i, ids, _ in sparse])
+        out.index_put_((rows.to(device), torch.cat([ids for _, ids, _ in sparse]).to(device)),
+                       torch.cat([probs for _, _, probs in sparse]).to(device))
+    if dense:
+        out[torch.tensor([i for i, _ in dense], device=device)] = torch.stack([row for _, row in dense]).to(device)
     return out
 
 
