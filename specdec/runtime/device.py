@@ -9,7 +9,9 @@ tensor's) and read by the code that runs it, instead of device checks of its own
   verification's rows attend as its decode steps did, to the bit (both cheap here).
   A converted model (int8, int4, q4_0) is kept in the model cache, as converting it
   again takes seconds to minutes. Memory is the machine's, or a container's limit.
-- A GPU runs kernels after their launch returns: a clock synchronizes first, and
+- A GPU runs kernels after their launch returns: a clock synchronizes first (a
+  service's forwards are timed by CUDA events, read once the device passed them;
+  StartSession waits for a `DeviceMark` after its prefill), and
   host timing cannot choose between kernels, so its paths are fixed (fused
   attention, the static step). The static step's inputs are staged in pinned memory
   and each row bucket replays a CUDA graph; a session's steps are fed their tokens on
