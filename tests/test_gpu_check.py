@@ -59,6 +59,8 @@ def test_the_gpu_check_runs_every_section_and_writes_one_table(tmp_path):
     assert [p["pair"] for p in pairs] == ["0.5B -> 7B", "0.5B -> 1.5B"]
     for pair in pairs:
         assert pair["draft_curve"] and len(pair["verify_curve"]) >= 5 and not pair["skipped"]
+        # Read again after the runs: the live curves, the same rows (their values are the machine's)
+        assert len(pair["verify_curve_after"]) == len(pair["verify_curve"]) and pair["draft_curve_after"], pair
         runs = {r["system"]: r for r in pair["runs"]}
         assert list(runs) == ["target-only", "γ=1", "γ=2", "γ=4", "auto"]
         assert all(r["synthetic"] == pytest.approx(0.8) and r["ms_per_token"] > 0 for r in runs.values())
@@ -72,6 +74,7 @@ def test_the_gpu_check_runs_every_section_and_writes_one_table(tmp_path):
     markdown = (tmp_path / "out" / "gpu_check.md").read_text()
     assert "| model | B params |" in markdown and "| static step | GB read a step |" in markdown and "bound.py on the services' curves" in markdown
     assert "| services target-only ms / token |" in markdown
+    assert "The services' curves after the runs" in markdown
 
 
 def test_the_seven_b_config_is_the_families_with_the_seven_b_shape():

@@ -146,6 +146,7 @@ def generate_table(hf: dict, pairs: list[dict]) -> list[str]:
 
 def pair_dict(result) -> dict:
     return {"pair": result.pair, "draft_curve": result.draft_curve, "verify_curve": result.verify_curve,
+            "draft_curve_after": result.draft_curve_after, "verify_curve_after": result.verify_curve_after,
             "runs": [dataclasses.asdict(r) for r in result.runs], "skipped": result.skipped}
 
 
@@ -178,6 +179,11 @@ def pair_table(pair: dict, cpu_acceptance: float | None) -> list[str]:
                 f"{pair['draft_curve'][0]:.2f} ms, verify by rows {', '.join(f'{x:.2f}' for x in pair['verify_curve'][:9])} "
                 "ms): " + "; ".join(f"acceptance {a}{' (the real pair on the CPU)' if a == cpu_acceptance else ''}: "
                                     f"{b[0]:.2f}x at γ={b[1]}" for a, b in bounds if b)]
+    if pair.get("verify_curve_after") and pair.get("draft_curve_after"):
+        # The live curves read the forwards' device time: near warm-up's, not a launch's tenth of a ms.
+        out += ["", "The services' curves after the runs, kept current from the forwards served (warm-up's "
+                f"beside): draft step {pair['draft_curve_after'][0]:.2f} ms ({pair['draft_curve'][0]:.2f}), "
+                f"verify 1 row {pair['verify_curve_after'][0]:.2f} ms ({pair['verify_curve'][0]:.2f})"]
     if pair.get("skipped"):
         out += ["", "skipped: " + "; ".join(pair["skipped"])]
     return out

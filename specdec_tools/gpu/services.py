@@ -52,6 +52,9 @@ class PairResult:
     pair: str
     draft_curve: list[float] = field(default_factory=list)    # the drafter's Info: ms by rows
     verify_curve: list[float] = field(default_factory=list)
+    # The same after the runs: kept current from the forwards served (on a GPU, CUDA events' time)
+    draft_curve_after: list[float] = field(default_factory=list)
+    verify_curve_after: list[float] = field(default_factory=list)
     runs: list[Served] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
@@ -141,6 +144,8 @@ def serve_pair(pair: str, draft: Model, target: Model, *, device: str, seed: int
                         served = _run(stub, result, acceptance, system, prompts, max_new_tokens)
                         result.runs.append(served)
                         on_run(served)
+                result.verify_curve_after = _curve(verifier_pb2_grpc.VerifierStub, verifier.address)
+                result.draft_curve_after = _curve(drafter_pb2_grpc.DrafterStub, drafter.address)
             finally:
                 launcher.stop([coordinator, verifier], grace_s=10)
     finally:
