@@ -165,10 +165,7 @@ class DraftSession:
             return Draft([], [], [])
         ids, sure = torch.stack([torch.stack(tokens).double(), torch.stack(confidences).double()]).tolist()
         kept = next((i + 1 for i, p in enumerate(sure) if p < min_confidence), len(ids))
-        start = self.round_base + prefix            # the drafts' first position
-        self.seq.resolve(start, ids[:-1])           # fed from the device: every draft but the last
-        self.seq.truncate(start + kept - 1)         # the cut drafts' cache dropped, as a rollback
         ids = [int(t) for t in ids[:kept]]
-        self.seq.append(ids[-1:])
+        self.seq.settle(self.round_base + prefix, ids)    # the cut drafts' cache dropped
         self.round_drafted = prefix + kept
         return Draft(ids, [], sure[:kept])

@@ -157,7 +157,5 @@ class TargetSession:
                     break
         else:
             out.extend(copies[-1].tolist())
-        self.seq.resolve(start, out[:len(self.seq) - start])   # the tokens fed from the device
-        self.seq.truncate(start + len(out) - 1)     # after an EOS: its step's cache entry dropped
-        self.seq.append(out[-1:])
+        self.seq.settle(start, out)                 # after an EOS: its step's cache entry dropped
         return out

@@ -120,6 +120,14 @@ class SequenceCache:
         assert all(t == PENDING for t in self.tokens[start:start + len(values)]), start
         self.tokens[start:start + len(values)] = [int(v) for v in values]
 
+    def settle(self, start: int, tokens: Sequence[int]) -> None:
+        """After steps fed from the device from `start` on, their `tokens` read back: the session
+        as the step-by-step loops leave it, `tokens` kept and all but the last cached; the cache
+        of any step fed past them (after a cut draft or an EOS) dropped, as a rollback."""
+        self.resolve(start, tokens[:len(self.tokens) - start])
+        self.truncate(start + len(tokens) - 1)
+        self.append(tokens[-1:])
+
     @torch.inference_mode()
     def _forward(self, feed: Sequence[int], keep_last: int, ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.loaded.lean:
