@@ -308,7 +308,7 @@ class PagedRunner:
         kept, on_device, row = [], [], 0
         for ids, sequence, keep in items:
             end = row + len(ids)
-            if isinstance(ids, torch.Tensor):  # decided on the device (a chained draft): copied there, below
+            if isinstance(ids, torch.Tensor):  # decided on the device (a chained step): copied there, below
                 on_device.append((row, end, ids))
             else:
                 staged[0, row:end] = ids

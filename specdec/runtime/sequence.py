@@ -28,7 +28,7 @@ T = TypeVar("T")
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward, when not set by the service
 
 
-PENDING = -1  # in `tokens`: a token the device decided and the host has not read yet (a chained draft's)
+PENDING = -1  # in `tokens`: a token the device decided and the host has not read yet (a chained step's)
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class SequenceCache:
         return (yield Forward(self, tuple(feed), keep_last))
 
     def step_on_device(self, ids: torch.Tensor, keep_last: int) -> Steps[torch.Tensor]:
-        """`step` of tokens the device decided, `ids` [T] there (a chained greedy draft's): fed
+        """`step` of tokens the device decided, `ids` [T] there (a chained draft's or decode step's): fed
         from the device, so the host queues this step without waiting for the last one to end.
         `tokens` holds PENDING for them until `resolve`."""
         assert self.cached == len(self.tokens), (self.cached, len(self.tokens))
