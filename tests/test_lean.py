@@ -278,31 +278,66 @@ def test_rows_of_several_sessions_take_the_batch_kernel_unless_batch_invariant(m
     assert torch.equal(forward(torch.tensor(prompts[0][-1:]), again[0], keep_last=1), alone[0])
 
 
-def test_gathered_attention_runs_on_one_thread_and_gives_the_threads_back(monkeypatch, kernel_state):
-    # A batch of several sessions' decode rows runs each session's attention on one torch
-    # thread (two threads' wake-ups cost more than its few KB of work); a session alone,
-    # and every other op, keep the process's threads, also after an attention that failed.
+def test_gathered_decode_rows_run_between_linears_on_one_thread_and_give_the_threads_back(monkeypatch, kernel_state):
+    # A batch of several sessions' decode rows runs every op between the linear layers (the
+    # norms, attention) on one torch thread (two threads' wake-ups cost more than their few KB
+    # of work) and the linear layers on the process's threads, to the same bits as with every
+    # op on those. A session alone keeps the process's threads throughout; a batch with a
+    # prefill chunk runs only the decode rows' attention on one; the threads come back, also
+    # after an attention that failed.
     forward = _tiny_int4_forward()
-    seen: list[int] = []
-    real = lean.bmm_attention
+    seen = {"attention": [], "norm": [], "linear": []}
+    real_attention, real_norm = lean.bmm_attention, lean._rms_norm
 
-    def recording(*args):
-        seen.append(torch.get_num_threads())
-        return real(*args)
-    monkeypatch.setattr(lean, "bmm_attention", recording)
+    def attention(*args):
+        seen["attention"].append(torch.get_num_threads())
+        return real_attention(*args)
+
+    def norm(*args):
+        seen["norm"].append(torch.get_num_threads())
+        return real_norm(*args)
+    monkeypatch.setattr(lean, "bmm_attention", attention)
+    monkeypatch.setattr(lean, "_rms_norm", norm)
+    for module in forward.linears() + [forward.lm_head]:
+        module.register_forward_pre_hook(lambda *_: seen["linear"].append(torch.get_num_threads()))
+
+    def threads() -> dict[str, set[int]]:
+        out = {name: set(values) for name, values in seen.items()}
+        for values in seen.values():
+            values.clear()
+        return out
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        caches = [forward.new_cache() for _ in range(2)]
+        caches = [forward.new_cache() for _ in range(3)]
         for j, cache in enumerate(caches):
             forward(torch.tensor([5 + j, 6, 7]), cache, keep_last=1)
-        seen.clear()
+        threads()
         forward(torch.tensor([9]), caches[0], keep_last=1)
-        assert seen and set(seen) == {2}
-        seen.clear()
-        forward.batch([(torch.tensor([9]), caches[0], 1), (torch.tensor([10, 11]), caches[1], 2)])
-        assert seen and set(seen) == {1}
+        assert threads() == {"attention": {2}, "norm": {2}, "linear": {2}}
+
+        def decode_rows(light: bool) -> list[torch.Tensor]:
+            for cache in caches[:2]:
+                cache.length = 3
+            with kernel_choices.gathered(True), torch.inference_mode():
+                return forward._batch([(torch.tensor([9]), caches[0], 1), (torch.tensor([10, 11]), caches[1], 2)],
+                                      one_call=True, light_threads=1 if light else 0)
+        alone = decode_rows(light=False)
+        threads()
+        light = decode_rows(light=True)
+        assert threads() == {"attention": {1}, "norm": {1}, "linear": {2}}
+        assert all(torch.equal(a, b) for a, b in zip(alone, light))
         assert torch.get_num_threads() == 2
+
+        # Through `batch`: several sessions' decode rows take the light threads; beside a
+        # prefill chunk, only the decode rows' attention runs on one thread.
+        for cache in caches[:2]:
+            cache.length = 3
+        forward.batch([(torch.tensor([9]), caches[0], 1), (torch.tensor([10]), caches[1], 1)])
+        assert threads() == {"attention": {1}, "norm": {1}, "linear": {2}}
+        forward.batch([(torch.tensor([12]), caches[0], 1), (torch.tensor([13]), caches[1], 1),
+                       (torch.tensor([1, 2, 3, 4]), caches[2], 0)])
+        assert threads() == {"attention": {1, 2}, "norm": {2}, "linear": {2}}
 
         def failing(*args):
             raise RuntimeError("attention failed")

@@ -18,7 +18,7 @@ drafts is moving its length back, so nothing is copied or recomputed.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +125,24 @@ def _torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+_Linear = Callable[[nn.Module, torch.Tensor], torch.Tensor]   # runs a linear layer (module, x) -> y
+
+
+def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+def _on_threads(threads: int) -> _Linear:
+    """Runs a linear layer on `threads` torch threads (0: those in force)."""
+    if not threads:
+        return _call
+
+    def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with _torch_threads(threads):
+            return module(x)
+    return linear
+
+
 class _Layer:
     """One decoder layer's modules, with q/k/v and gate/up fused where their weights allow."""
 
@@ -140,14 +158,16 @@ class _Layer:
         self.gate_up = fuse(gate_up)
         self.mlp = mlp
 
-    def project_qk_v(self, h: torch.Tensor, qk_heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_qk_v(self, h: torch.Tensor, qk_heads: int, dim: int,
+                     linear: "_Linear" = None) -> tuple[torch.Tensor, torch.Tensor]:
         """h [R, hidden] -> the queries' and keys' heads side by side [R, qk_heads, dim]
         (one rotary for both), and the values [R, kv_size]."""
+        linear = linear or _call
         rows = h.shape[0]
         if self.qkv is None:
-            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+            q, k, v = linear(self.q_proj, h), linear(self.k_proj, h), linear(self.v_proj, h)
             return torch.cat([q, k], dim=-1).view(rows, qk_heads, dim), v
-        qkv = self.qkv(h)
+        qkv = linear(self.qkv, h)
         return qkv[:, :self.q_size + self.kv_size].view(rows, qk_heads, dim), qkv[:, self.q_size + self.kv_size:]
 
     def linears(self) -> list[nn.Module]:
@@ -156,11 +176,12 @@ class _Layer:
         mlp = [self.gate_up, self.mlp.down_proj] if self.gate_up is not None else [self.mlp]
         return [*qkv, self.o_proj, *mlp]
 
-    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+    def feed_forward(self, h: torch.Tensor, linear: "_Linear" = None) -> torch.Tensor:
+        linear = linear or _call
         if self.gate_up is None:
-            return self.mlp(h)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return self.mlp.down_proj(self.mlp.act_fn(gate) * up)
+            return linear(self.mlp, h)
+        gate, up = linear(self.gate_up, h).chunk(2, dim=-1)
+        return linear(self.mlp.down_proj, self.mlp.act_fn(gate) * up)
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -290,7 +311,12 @@ class LeanForward:
 
         def torch_path() -> list[torch.Tensor]:
             with kernel_choices.gathered(decode_rows):
-                return self._batch(items, attention_threads=1, one_call=True)
+                if any(keep == 0 for _, _, keep in items):   # a prefill chunk's ops span its many rows
+                    return self._batch(items, attention_threads=1, one_call=True)
+                # Decode and verify rows alone: between the linear layers each op is a few KB to a few
+                # hundred, where waking the second OpenMP worker costs more than the work (8 sessions'
+                # rows on the 1.5B, 2-core EPYC: 153 against 148 ms a forward).
+                return self._batch(items, one_call=True, light_threads=1)
         # With prefill chunks, torch's path without timing it: the exact path runs each chunk's
         # dense matmuls apart, reading every weight once a session (7 sessions' 7-token prompts:
         # 750 against 240 ms here), and timing both at the first such batch cost its requests 3-5 s.
@@ -317,11 +343,22 @@ class LeanForward:
         return self._graph_choice or None
 
     def _batch(self, items: list[tuple[torch.Tensor, StaticKVCache, int]],
-               attention_threads: int = 0, one_call: bool = False) -> list[torch.Tensor]:
+               attention_threads: int = 0, one_call: bool = False, light_threads: int = 0) -> list[torch.Tensor]:
         """attention_threads: the torch threads each layer's per-sequence attention runs on
         (0: as many as the rest of the forward). one_call: the layers take every call's rows
         as one call's (gathered batches: one dense matmul reads a weight once for all the
-        sessions' prefill rows, where each call's own read it once per call)."""
+        sessions' prefill rows, where each call's own read it once per call). light_threads:
+        where fewer than in force, every op but the linear layers (norms, rotary, residuals,
+        the activation, attention) runs on this many threads, the linear layers on all."""
+        threads = torch.get_num_threads()
+        if not light_threads or light_threads >= threads:
+            return self._rows(items, attention_threads, one_call, _call)
+        with _torch_threads(light_threads):
+            return self._rows(items, attention_threads, one_call, _on_threads(threads))
+
+    def _rows(self, items: list[tuple[torch.Tensor, StaticKVCache, int]], attention_threads: int,
+              one_call: bool, linear: _Linear) -> list[torch.Tensor]:
+        """`_batch`, its linear layers run by `linear`."""
         spans = []                                                                       # (rows, start, end)
         for ids, cache, _ in items:
             rows, start = ids.shape[0], cache.length
@@ -348,7 +385,7 @@ class LeanForward:
         calls = ([sum(rows for rows, _, _ in spans)], [any(prefill)]) if one_call else \
             ([rows for rows, _, _ in spans], prefill)
         with dense_rows.by_call(*calls):  # each call's rows on its own path, or all as one
-            x = self._layers(x, items, spans, offsets, cos, sin, masks, by_row, attention_threads)
+            x = self._layers(x, items, spans, offsets, cos, sin, masks, by_row, attention_threads, linear)
         for (_, _, end), (_, cache, _) in zip(spans, items):
             cache.length = end
         # The LM head only over the rows kept: [sum keep_last, hidden].
@@ -360,12 +397,13 @@ class LeanForward:
         if rows_kept.shape[0] == 0:
             return [rows_kept.new_empty((0, 0), dtype=torch.float32) for _ in items]
         with dense_rows.by_call([keep_last for _, _, keep_last in items]):
-            logits = self.lm_head(_rms_norm(self.norm, rows_kept)).float()
+            logits = linear(self.lm_head, _rms_norm(self.norm, rows_kept)).float()
         return list(logits.split([keep_last for _, _, keep_last in items]))
 
     def _layers(self, x: torch.Tensor, items: list[tuple[torch.Tensor, StaticKVCache, int]],
                 spans: list[tuple[int, int, int]], offsets: list[int], cos: torch.Tensor, sin: torch.Tensor,
-                masks: list[torch.Tensor | None], by_row: list[bool], attention_threads: int = 0) -> torch.Tensor:
+                masks: list[torch.Tensor | None], by_row: list[bool], attention_threads: int = 0,
+                linear: _Linear = _call) -> torch.Tensor:
         """The decoder layers over x [R, hidden] (sequence j's rows at offsets[j]:offsets[j + 1],
         its positions spans[j]), each sequence's keys and values into its cache; sequence j's
         attention under masks[j], or row by row where by_row[j]; a decode or verify call's
@@ -373,7 +411,7 @@ class LeanForward:
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         threads = [attention_threads if keep_last > 0 else 0 for _, _, keep_last in items]
         for i, layer in enumerate(self.layers):
-            qk, v = layer.project_qk_v(_rms_norm(layer.input_norm, x), heads + kv_heads, dim)  # [R, h + kv, dim]
+            qk, v = layer.project_qk_v(_rms_norm(layer.input_norm, x), heads + kv_heads, dim, linear)  # [R, h+kv, dim]
             qk = _rotary(qk, cos, sin)
             outs = []
             for j, ((rows, start, end), (_, cache, _)) in enumerate(zip(spans, items)):
@@ -386,6 +424,6 @@ class LeanForward:
                     out = (_attention_by_row(q, keys, values, start) if by_row[j]
                            else _attention(q, keys, values, masks[j]))                    # [heads, T, dim]
                 outs.append(out.transpose(0, 1).reshape(rows, heads * dim))
-            x = x + layer.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
-            x = x + layer.feed_forward(_rms_norm(layer.post_norm, x))
+            x = x + linear(layer.o_proj, outs[0] if len(outs) == 1 else torch.cat(outs))
+            x = x + layer.feed_forward(_rms_norm(layer.post_norm, x), linear)
         return x
