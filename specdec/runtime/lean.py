@@ -413,17 +413,21 @@ class LeanForward:
         for i, layer in enumerate(self.layers):
             qk, v = layer.project_qk_v(_rms_norm(layer.input_norm, x), heads + kv_heads, dim, linear)  # [R, h+kv, dim]
             qk = _rotary(qk, cos, sin)
+            # Every row's new keys and values [2, kv_heads, R, dim] and queries [heads, R, dim] laid
+            # out once, so a sequence's are a slice each and its keys and values one copy: a forward
+            # of 8 sessions' decode rows runs this loop 224 times (the same bits, 0.99 of its time).
+            new_kv = torch.stack([qk[:, heads:], v.view(-1, kv_heads, dim)]).transpose(1, 2)
+            queries = qk[:, :heads].transpose(0, 1)
             outs = []
             for j, ((rows, start, end), (_, cache, _)) in enumerate(zip(spans, items)):
                 lo, hi = offsets[j], offsets[j + 1]
-                kv = cache.buffer
-                kv[i, 0, :, start:end] = qk[lo:hi, heads:].transpose(0, 1)                 # [kv_heads, T, dim]
-                kv[i, 1, :, start:end] = v[lo:hi].reshape(rows, kv_heads, dim).transpose(0, 1)
-                q, keys, values = qk[lo:hi, :heads].transpose(0, 1), kv[i, 0, :, :end], kv[i, 1, :, :end]
+                kv = cache.buffer[i]                                           # [2, kv_heads, capacity, dim]
+                kv[:, :, start:end] = new_kv[:, :, lo:hi]
+                q, keys, values = queries[:, lo:hi], kv[0, :, :end], kv[1, :, :end]
                 with _torch_threads(threads[j]):
-                    out = (_attention_by_row(q, keys, values, start) if by_row[j]
-                           else _attention(q, keys, values, masks[j]))                    # [heads, T, dim]
-                outs.append(out.transpose(0, 1).reshape(rows, heads * dim))
-            x = x + linear(layer.o_proj, outs[0] if len(outs) == 1 else torch.cat(outs))
+                    outs.append(_attention_by_row(q, keys, values, start) if by_row[j]
+                                else _attention(q, keys, values, masks[j]))                # [heads, T, dim]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)                     # [heads, R, dim]
+            x = x + linear(layer.o_proj, out.transpose(0, 1).reshape(-1, heads * dim))
             x = x + layer.feed_forward(_rms_norm(layer.post_norm, x), linear)
         return x
