@@ -287,7 +287,7 @@ def test_gathered_decode_rows_run_between_linears_on_one_thread_and_give_the_thr
     # after an attention that failed.
     forward = _tiny_int4_forward()
     seen = {"attention": [], "norm": [], "linear": []}
-    real_attention, real_norm = lean.bmm_attention, lean._rms_norm
+    real_attention, real_norm = lean.bmm_attention, lean.rms_norm
 
     def attention(*args):
         seen["attention"].append(torch.get_num_threads())
@@ -297,7 +297,7 @@ def test_gathered_decode_rows_run_between_linears_on_one_thread_and_give_the_thr
         seen["norm"].append(torch.get_num_threads())
         return real_norm(*args)
     monkeypatch.setattr(lean, "bmm_attention", attention)
-    monkeypatch.setattr(lean, "_rms_norm", norm)
+    monkeypatch.setattr(lean, "rms_norm", norm)
     for module in forward.linears() + [forward.lm_head]:
         module.register_forward_pre_hook(lambda *_: seen["linear"].append(torch.get_num_threads()))
 

@@ -98,7 +98,7 @@ def _norm_weight(norm: nn.Module) -> torch.Tensor:
 
 
 class _Layer:
-    def __init__(self, layer) -> None:   # a specdec.runtime.lean._Layer
+    def __init__(self, layer) -> None:   # a specdec.runtime.decoder_layer.Layer
         if layer.qkv is not None:
             q, kv = layer.q_size, layer.kv_size
             self.q, self.k, self.v = (_Weight(layer.qkv, s) for s in (slice(0, q), slice(q, q + kv),

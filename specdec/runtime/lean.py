@@ -17,15 +17,15 @@ drafts is moving its length back, so nothing is copied or recomputed.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specdec.runtime import dense_rows, ggml_forward, kernel_choices
-from specdec.runtime.quant.base import fuse
+from specdec.runtime.decoder_layer import (Layer, LinearCall, direct, on_threads, op_threads, rms_norm, rotate,
+                                           signed_sin)
 from specdec.runtime.device import policy
 from specdec.runtime.kv_cache import StaticKVCache
 from specdec.runtime.kv_pool import KVPool
@@ -105,104 +105,6 @@ def _attention_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
                       for r in range(rows)], dim=1)
 
 
-@contextmanager
-def _torch_threads(threads: int) -> Iterator[None]:
-    """Within: torch's CPU ops on `threads` threads (0: unchanged).
-
-    The attention of a decode or verify call is a dozen ops on a few KB; on two
-    threads each waits to wake the other OpenMP worker. In a forward of 8 sessions'
-    decode rows on the 1.5B target (2-core EPYC) the 224 per-sequence attentions took
-    47 ms of 155 on two threads and 9 of 120 on one; at 1,000 cached tokens a session,
-    58 against 62 ms. Set per call, it costs the omp_set_num_threads of each."""
-    if not threads:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-_Linear = Callable[[nn.Module, torch.Tensor], torch.Tensor]   # runs a linear layer (module, x) -> y
-
-
-def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return module(x)
-
-
-def _on_threads(threads: int) -> _Linear:
-    """Runs a linear layer on `threads` torch threads (0: those in force)."""
-    if not threads:
-        return _call
-
-    def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        with _torch_threads(threads):
-            return module(x)
-    return linear
-
-
-class _Layer:
-    """One decoder layer's modules, with q/k/v and gate/up fused where their weights allow."""
-
-    def __init__(self, layer: nn.Module):
-        attn, mlp = layer.self_attn, layer.mlp
-        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
-        self.o_proj = attn.o_proj
-        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-        self.qkv = fuse(projections)
-        self.q_proj, self.k_proj, self.v_proj = projections
-        self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
-        gate_up = [getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)]
-        self.gate_up = fuse(gate_up)
-        self.mlp = mlp
-
-    def project_qk_v(self, h: torch.Tensor, qk_heads: int, dim: int,
-                     linear: "_Linear" = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [R, hidden] -> the queries' and keys' heads side by side [R, qk_heads, dim]
-        (one rotary for both), and the values [R, kv_size]."""
-        linear = linear or _call
-        rows = h.shape[0]
-        if self.qkv is None:
-            q, k, v = linear(self.q_proj, h), linear(self.k_proj, h), linear(self.v_proj, h)
-            return torch.cat([q, k], dim=-1).view(rows, qk_heads, dim), v
-        qkv = linear(self.qkv, h)
-        return qkv[:, :self.q_size + self.kv_size].view(rows, qk_heads, dim), qkv[:, self.q_size + self.kv_size:]
-
-    def linears(self) -> list[nn.Module]:
-        """The projections this layer's forward calls (a fused one, not its parts)."""
-        qkv = [self.qkv] if self.qkv is not None else [self.q_proj, self.k_proj, self.v_proj]
-        mlp = [self.gate_up, self.mlp.down_proj] if self.gate_up is not None else [self.mlp]
-        return [*qkv, self.o_proj, *mlp]
-
-    def feed_forward(self, h: torch.Tensor, linear: "_Linear" = None) -> torch.Tensor:
-        linear = linear or _call
-        if self.gate_up is None:
-            return linear(self.mlp, h)
-        gate, up = linear(self.gate_up, h).chunk(2, dim=-1)
-        return linear(self.mlp.down_proj, self.mlp.act_fn(gate) * up)
-
-
-def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """sin [R, dim] with its first half negated: rotate_half(x) * sin is then
-    roll(x, dim / 2) * signed sin, exactly (a negation rounds nothing)."""
-    half = sin.shape[-1] // 2
-    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-
-
-def _rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [R, heads, dim] rotated at each row's position (cos, signed_sin [R, 1, dim]):
-    x * cos + rotate_half(x) * sin, the arithmetic transformers' rotary does, in 4
-    ops over the queries' and keys' heads together, where it takes 7 for each."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # torch's fused kernel: one op where transformers' RMSNorm runs eight.
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
-
-
 class LeanForward:
     """The arithmetic of a Llama/Qwen2 causal LM's forward, on the model's own modules."""
 
@@ -210,7 +112,7 @@ class LeanForward:
         reason = supports(model)
         assert reason is None, reason
         config = self.config = model.config
-        self.layers = [_Layer(layer) for layer in model.model.layers]
+        self.layers = [Layer(layer) for layer in model.model.layers]
         self.embed = model.model.embed_tokens
         self.norm = model.model.norm
         self.rotary = model.model.rotary_emb
@@ -334,7 +236,8 @@ class LeanForward:
         if kernel_choices.chosen(key, rows) is None:
             # Its layers choose their kernels first, so timing the path times them, not their choice.
             again(torch_path)()
-        return kernel_choices.pick(key, rows, {"torch": again(torch_path), "exact": again(lambda: self._exact(items, graph))})
+        return kernel_choices.pick(key, rows, {"torch": again(torch_path),
+                                               "exact": again(lambda: self._exact(items, graph))})
 
     def _graph(self) -> "ggml_forward.GraphForward | None":
         """The ggml graph that runs decode and verify calls, where it was chosen (on the first call)."""
@@ -352,12 +255,12 @@ class LeanForward:
         the activation, attention) runs on this many threads, the linear layers on all."""
         threads = torch.get_num_threads()
         if not light_threads or light_threads >= threads:
-            return self._rows(items, attention_threads, one_call, _call)
-        with _torch_threads(light_threads):
-            return self._rows(items, attention_threads, one_call, _on_threads(threads))
+            return self._rows(items, attention_threads, one_call, direct)
+        with op_threads(light_threads):
+            return self._rows(items, attention_threads, one_call, on_threads(threads))
 
     def _rows(self, items: list[tuple[torch.Tensor, StaticKVCache, int]], attention_threads: int,
-              one_call: bool, linear: _Linear) -> list[torch.Tensor]:
+              one_call: bool, linear: LinearCall) -> list[torch.Tensor]:
         """`_batch`, its linear layers run by `linear`."""
         spans = []                                                                       # (rows, start, end)
         for ids, cache, _ in items:
@@ -369,7 +272,7 @@ class LeanForward:
         x = self.embed(ids)                                                              # [R, hidden]
         positions = [torch.arange(start, end, device=device) for _, start, end in spans]
         cos, sin = self.rotary(x[None], (positions[0] if len(items) == 1 else torch.cat(positions))[None])
-        cos, sin = cos[0, :, None], _signed_sin(sin[0])[:, None]                           # [R, 1, dim] each
+        cos, sin = cos[0, :, None], signed_sin(sin[0])[:, None]                           # [R, 1, dim] each
         # A call whose logits pick tokens (decode, verify: those dense_rows keeps on the kernel) computes
         # each row's attention as a one-row step would (`_attention_by_row`), on the CPU, where
         # the result is the kernels' to the bit; others take one masked call. Row i of a
@@ -397,13 +300,13 @@ class LeanForward:
         if rows_kept.shape[0] == 0:
             return [rows_kept.new_empty((0, 0), dtype=torch.float32) for _ in items]
         with dense_rows.by_call([keep_last for _, _, keep_last in items]):
-            logits = linear(self.lm_head, _rms_norm(self.norm, rows_kept)).float()
+            logits = linear(self.lm_head, rms_norm(self.norm, rows_kept)).float()
         return list(logits.split([keep_last for _, _, keep_last in items]))
 
     def _layers(self, x: torch.Tensor, items: list[tuple[torch.Tensor, StaticKVCache, int]],
                 spans: list[tuple[int, int, int]], offsets: list[int], cos: torch.Tensor, sin: torch.Tensor,
                 masks: list[torch.Tensor | None], by_row: list[bool], attention_threads: int = 0,
-                linear: _Linear = _call) -> torch.Tensor:
+                linear: LinearCall = direct) -> torch.Tensor:
         """The decoder layers over x [R, hidden] (sequence j's rows at offsets[j]:offsets[j + 1],
         its positions spans[j]), each sequence's keys and values into its cache; sequence j's
         attention under masks[j], or row by row where by_row[j]; a decode or verify call's
@@ -411,8 +314,8 @@ class LeanForward:
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         threads = [attention_threads if keep_last > 0 else 0 for _, _, keep_last in items]
         for i, layer in enumerate(self.layers):
-            qk, v = layer.project_qk_v(_rms_norm(layer.input_norm, x), heads + kv_heads, dim, linear)  # [R, h+kv, dim]
-            qk = _rotary(qk, cos, sin)
+            qk, v = layer.project_qk_v(rms_norm(layer.input_norm, x), heads + kv_heads, dim, linear)  # [R, h+kv, dim]
+            qk = rotate(qk, cos, sin)
             # Every row's new keys and values [2, kv_heads, R, dim] and queries [heads, R, dim] laid
             # out once, so a sequence's are a slice each and its keys and values one copy: a forward
             # of 8 sessions' decode rows runs this loop 224 times (the same bits, 0.99 of its time).
@@ -424,10 +327,10 @@ class LeanForward:
                 kv = cache.buffer[i]                                           # [2, kv_heads, capacity, dim]
                 kv[:, :, start:end] = new_kv[:, :, lo:hi]
                 q, keys, values = queries[:, lo:hi], kv[0, :, :end], kv[1, :, :end]
-                with _torch_threads(threads[j]):
+                with op_threads(threads[j]):
                     outs.append(_attention_by_row(q, keys, values, start) if by_row[j]
                                 else _attention(q, keys, values, masks[j]))                # [heads, T, dim]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)                     # [heads, R, dim]
             x = x + linear(layer.o_proj, out.transpose(0, 1).reshape(-1, heads * dim))
-            x = x + layer.feed_forward(_rms_norm(layer.post_norm, x), linear)
+            x = x + layer.feed_forward(rms_norm(layer.post_norm, x), linear)
         return x

@@ -38,7 +38,8 @@ from torch import nn
 from specdec.rpc.errors import InvalidArgument
 from specdec.runtime.device import policy
 from specdec.runtime.kv_arena import KVArena, PagedSequence
-from specdec.runtime.lean import LeanForward, _rms_norm, _rotary, _signed_sin
+from specdec.runtime.decoder_layer import rms_norm, rotate, signed_sin
+from specdec.runtime.lean import LeanForward
 
 # Row buckets a runner captures: decode batches, and verifications of γ + 1 rows fall in them.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -95,7 +96,7 @@ class PagedStep:
         self.key_positions = torch.arange(max_pages * pages, device=device)            # [L]
         like = torch.empty(1, 1, 1, dtype=forward.dtype, device=device)
         cos, sin = forward.rotary(like, self.key_positions[None])
-        self.cos, self.sin = cos[0], _signed_sin(sin[0])                                # [L, dim]
+        self.cos, self.sin = cos[0], signed_sin(sin[0])                                # [L, dim]
         self.page_offsets = torch.arange(pages, device=device)                           # [page]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
@@ -118,8 +119,8 @@ class PagedStep:
         mask = visible[None, None] if shared else visible[:, None, None, :]            # [B, 1, R or 1, L]
         keys_all, values_all = self.arena.keys, self.arena.values
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(_rms_norm(layer.input_norm, x))                             # [R, q + 2 kv]
-            qk = _rotary(qkv[:, :q_size + kv_size].view(rows, heads + kv_heads, dim), cos, sin)
+            qkv = layer.qkv(rms_norm(layer.input_norm, x))                             # [R, q + 2 kv]
+            qk = rotate(qkv[:, :q_size + kv_size].view(rows, heads + kv_heads, dim), cos, sin)
             # Written through the arena tensor itself, not a view of it (keys_all[i]): inductor
             # turns an index_put_ on a compiled step's input back into an in-place write, but a
             # write through a view it leaves functional, which copied the whole arena every step.
@@ -132,13 +133,13 @@ class PagedStep:
             out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=True)
             out = out[0].transpose(0, 1) if shared else out[:, :, 0]                   # [R, heads, dim]
             x = x + layer.o_proj(out.reshape(rows, q_size).to(x.dtype))
-            h = _rms_norm(layer.post_norm, x)
+            h = rms_norm(layer.post_norm, x)
             if layer.gate_up is None:
                 x = x + layer.mlp(h)
             else:
                 gate, up = layer.gate_up(h).chunk(2, dim=-1)
                 x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-        return self.forward.lm_head(_rms_norm(self.forward.norm, x)).float()
+        return self.forward.lm_head(rms_norm(self.forward.norm, x)).float()
 
 
 def toolchain_missing(backend: str, device: torch.device) -> list[str]:
