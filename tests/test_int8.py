@@ -156,8 +156,8 @@ def test_qkv_fuse_into_one_int8_gemm_and_each_output_is_its_parts(generator, fbg
 def test_the_int8_draft_runs_its_qkv_fused_in_the_lean_forward(monkeypatch, fbgemm_only):
     loaded = load_model("tiny-draft", quantize="int8")
     assert all(isinstance(layer.qkv, int8.Int8Linear) for layer in loaded.lean.layers)
-    from specdec.runtime import lean
-    monkeypatch.setattr(lean, "fuse", lambda layers: None)   # the same draft, built again with nothing fused
+    from specdec.runtime import decoder_layer
+    monkeypatch.setattr(decoder_layer, "fuse", lambda layers: None)   # the same draft, built again with nothing fused
     separate = load_model("tiny-draft", quantize="int8")
     assert all(layer.qkv is None for layer in separate.lean.layers)
     ids = torch.arange(3, 20)
