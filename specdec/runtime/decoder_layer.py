@@ -42,10 +42,7 @@ def direct(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def on_threads(threads: int) -> LinearCall:
-    """Runs a linear layer on `threads` torch threads (0: those in force)."""
-    if not threads:
-        return direct
-
+    """Runs a linear layer on `threads` torch threads."""
     def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         with op_threads(threads):
             return module(x)
@@ -68,10 +65,9 @@ class Layer:
         self.mlp = mlp
 
     def project_qk_v(self, h: torch.Tensor, qk_heads: int, dim: int,
-                     linear: LinearCall | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     linear: LinearCall = direct) -> tuple[torch.Tensor, torch.Tensor]:
         """h [R, hidden] -> the queries' and keys' heads side by side [R, qk_heads, dim]
         (one rotary for both), and the values [R, kv_size]."""
-        linear = linear or direct
         rows = h.shape[0]
         if self.qkv is None:
             q, k, v = linear(self.q_proj, h), linear(self.k_proj, h), linear(self.v_proj, h)
@@ -85,8 +81,7 @@ class Layer:
         mlp = [self.gate_up, self.mlp.down_proj] if self.gate_up is not None else [self.mlp]
         return [*qkv, self.o_proj, *mlp]
 
-    def feed_forward(self, h: torch.Tensor, linear: LinearCall | None = None) -> torch.Tensor:
-        linear = linear or direct
+    def feed_forward(self, h: torch.Tensor, linear: LinearCall = direct) -> torch.Tensor:
         if self.gate_up is None:
             return linear(self.mlp, h)
         gate, up = linear(self.gate_up, h).chunk(2, dim=-1)
