@@ -64,7 +64,11 @@ def test_the_gpu_check_runs_every_section_and_writes_one_table(tmp_path):
         runs = {r["system"]: r for r in pair["runs"]}
         assert list(runs) == ["target-only", "γ=1", "γ=2", "γ=4", "auto"]
         assert all(r["synthetic"] == pytest.approx(0.8) and r["ms_per_token"] > 0 for r in runs.values())
-        assert 2.5 < runs["γ=4"]["drafted_per_round"] <= 4.0 and 1.0 < runs["γ=4"]["mean_accepted_length"] <= 5.0
+        # A fixed γ drafts min(γ, the tokens left less one) a round, so the last rounds of a 12-token request
+        # draft fewer, as many as the synthetic draws leave: γ=4 averages 2.2 a round at the fewest (two full
+        # rounds and three short ones), 3.2 typically. Above what γ=2 can draft, whatever the draws.
+        assert runs["γ=2"]["drafted_per_round"] <= 2.0 < runs["γ=4"]["drafted_per_round"] <= 4.0
+        assert 1.0 < runs["γ=4"]["mean_accepted_length"] <= 5.0
         assert runs["γ=1"]["outside_ms_per_round"] is not None
         assert all(r["rpc_ms_per_round"] is not None for r in runs.values()), runs   # every system's calls
     generate = sections["transformers generate"]["value"]["models"]
