@@ -72,7 +72,8 @@ def test_a_synthetic_verifier_accepts_at_its_rate_and_every_response_says_so(tin
         for server in servers:
             server.stop(0)
     assert rounds > 150
-    assert abs(first_kept / rounds - rate) < 0.12, first_kept / rounds   # 3 standard deviations at 150 rounds
+    # 5.4 standard deviations at 150 rounds (0.037): apart from the models' own 0.7 by twice that.
+    assert abs(first_kept / rounds - rate) < 0.2, first_kept / rounds
 
 
 def test_the_synthetic_rate_is_refused_outside_its_range(tiny_target):
