@@ -101,6 +101,36 @@ def test_a_forward_raising_inside_a_batch_fails_only_its_call(tiny_target, monke
         running.stop(0)
 
 
+
+@pytest.mark.parametrize("forward", ["lean", "paged"])
+def test_a_call_failing_after_its_forward_leaves_a_session_that_answers_as_its_twin(tiny_target, forward,
+                                                                                     monkeypatch):
+    """The forward ran (the round's first token and the drafts now cached), then the verdict
+    raised: the session is back at its tokens, and a cache that kept what still matches them
+    must still give the next call a row for each of its positions."""
+    import verifier.target_session as target_session
+    from specdec.runtime.models import load_model
+    running = verifier.service.serve(tiny_target if forward == "lean" else load_model("tiny-target", forward=forward))
+    try:
+        with channel(f"127.0.0.1:{running.port}") as ch:
+            stub = verifier_pb2_grpc.VerifierStub(ch)
+            twins = start_twins(stub)
+
+            def failing(*args):
+                raise RuntimeError("injected: the verdict failed")
+            with monkeypatch.context() as patched:
+                patched.setattr(target_session, "greedy_accept", failing)
+                error = rpc_error(stub.Verify, verifier_pb2.VerifyRequest(
+                    session_id=twins[0], draft_token_ids=[7, 8, 9], sampling=GREEDY), timeout=10)
+                assert error.code().name == "INTERNAL", error.details()
+            for request in (dict(draft_token_ids=[7, 8, 9], sampling=GREEDY), dict(draft_token_ids=[], sampling=HOT),
+                            dict(draft_token_ids=[4, 5], sampling=GREEDY)):
+                a, b = (stub.Verify(verifier_pb2.VerifyRequest(session_id=s, **request), timeout=10) for s in twins)
+                assert without_batch(a) == without_batch(b), request
+            end(stub, *twins)
+    finally:
+        running.stop(0)
+
 def test_a_failed_batch_reruns_each_call_alone_from_restored_caches(tiny_target, monkeypatch):
     """The batched forward fails after it wrote KV and moved the caches' lengths
     (in the LM head); each call then runs alone from where it was: the same

@@ -99,12 +99,13 @@ class SequenceCache:
     def step(self, extra: Sequence[int], keep_last: int) -> Steps[torch.Tensor]:
         """`forward` as a step: yields its Forward, returns the logits sent back."""
         self.tokens.extend(int(t) for t in extra)
-        if self.cached >= len(self.tokens):
-            # Every token is cached (e.g. a commit only dropped drafts): re-feed
-            # the last one to get its logits again.
-            self.cache.crop(-(self.cached - len(self.tokens) + 1))
+        assert 0 < keep_last <= len(self.tokens), (keep_last, len(self.tokens))
+        if self.cached > len(self.tokens) - keep_last:
+            # Rows asked for are cached (a commit only dropped drafts; a call that failed
+            # after its forward, restored, kept the cache of its first token): feed them
+            # again for their logits.
+            self.cache.crop(len(self.tokens) - keep_last)
         feed = self.tokens[self.cached :]
-        assert 0 < keep_last <= len(feed), (keep_last, len(feed))
         return (yield Forward(self, tuple(feed), keep_last))
 
     def step_on_device(self, ids: torch.Tensor, keep_last: int) -> Steps[torch.Tensor]:
