@@ -84,3 +84,31 @@ def test_the_synthetic_rate_is_refused_outside_its_range(tiny_target):
 def test_a_lossless_verifier_marks_nothing(stack):
     response = generate(stack.coordinator_stub, PROMPTS[0], speculate=True, gamma=4, max_new_tokens=8)
     assert response.stats.synthetic_acceptance == 0.0
+
+
+
+def test_a_synthetic_verdict_reads_the_device_once_for_the_token_it_keeps(tiny_target):
+    """The verdict is drawn on the host, so a Verify reads one value, the target's token there,
+    as the GPU check's timed rounds need. Seeded, the verdicts repeat; a failed call's are given back."""
+    from specdec.runtime.sequence import drive
+    from specdec.spec.sampling import SamplingConfig
+    from tests.test_chained_drafts import reads
+    from verifier.target_session import TargetSession
+    seeded = SamplingConfig(seed=5)
+
+    def verify(session, gamma):
+        return drive(session.verify_steps(list(range(20, 20 + gamma)), None, seeded, synthetic_acceptance=0.5))
+
+    runs = []
+    for _ in range(2):
+        session, verdicts = TargetSession(tiny_target, [1, 5, 9, 13]), []
+        for gamma in (4, 1, 0, 4, 3, 4, 4):
+            out, count = reads(lambda: verify(session, gamma))
+            assert count == 1 and out.num_accepted <= gamma, (gamma, count)
+            verdicts.append(out.num_accepted)
+        runs.append(verdicts)
+    assert runs[0] == runs[1] and len(set(runs[0])) > 1, runs
+    state = session.snapshot()
+    first = verify(session, 4)
+    session.restore(state)
+    assert verify(session, 4) == first

@@ -3,6 +3,7 @@ rejection sampler, roll the KV cache back to what was accepted."""
 from __future__ import annotations
 
 import dataclasses
+import random
 import secrets
 
 import torch
@@ -14,8 +15,8 @@ from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.models import LoadedModel
 from specdec.spec.types import RejectionOutput
 from specdec.spec.rejection import greedy_accept, rejection_sample, synthetic_num_accepted
-from specdec.spec.sampling import SamplingConfig, position_uniforms
-from specdec.spec.transform import make_generator, sample_at, scores_to_probs, token_logprobs, transform_logits
+from specdec.spec.sampling import SamplingConfig, generator_seed, position_uniforms
+from specdec.spec.transform import sample_at, scores_to_probs, token_logprobs, transform_logits
 
 
 class TargetSession:
@@ -30,26 +31,28 @@ class TargetSession:
         # Sampling draws each position's token from uniforms keyed by the request's seed
         # and the position (sampling.position_uniforms): no state a round moves, so a
         # failed call leaves none behind. The benchmark's synthetic verdicts draw from
-        # a generator.
+        # a generator on the host: a verdict on the device would cost a Verify a read
+        # of its own beside its token's (on a GPU, a wait for every kernel queued).
         self.seed: int | None = None
-        self.generator: torch.Generator | None = None
+        self.synthetic: random.Random | None = None
 
     def snapshot(self) -> tuple:
-        return self.seq.snapshot(), None if self.generator is None else self.generator.get_state()
+        return self.seq.snapshot(), None if self.synthetic is None else self.synthetic.getstate()
 
     def restore(self, state: tuple) -> None:
         """Undo a call that failed: the session is exactly as it was before it."""
         tokens, rng = state
         self.seq.restore(tokens)
         if rng is None:
-            self.generator = None
+            self.synthetic = None
         else:
-            self.generator.set_state(rng)
+            self.synthetic.setstate(rng)
 
-    def _generator(self, sampling: SamplingConfig) -> torch.Generator:
-        if self.generator is None:
-            self.generator = make_generator(sampling, "verifier", self.loaded.device)
-        return self.generator
+    def _synthetic(self, sampling: SamplingConfig) -> random.Random:
+        if self.synthetic is None:
+            seed = sampling.seed if sampling.seed is not None else secrets.randbits(64)
+            self.synthetic = random.Random(generator_seed(seed, "verifier"))
+        return self.synthetic
 
     def _uniforms(self, sampling: SamplingConfig, start: int, count: int) -> torch.Tensor:
         """[count, 2] float64: the uniforms of positions start.. (the request's seed, or
@@ -85,7 +88,7 @@ class TargetSession:
         draft = torch.tensor(draft_token_ids, dtype=torch.long)                          # [gamma] on the host
         # 3. Accept / reject.
         if synthetic_acceptance:
-            accepted = synthetic_num_accepted(gamma, synthetic_acceptance, self._generator(sampling))
+            accepted = synthetic_num_accepted(gamma, synthetic_acceptance, self._synthetic(sampling))
             row = scores[accepted:accepted + 1]
             token = int(row.argmax()) if sampling.greedy else int(sample_at(
                 scores_to_probs(row), self._uniforms(sampling, base + accepted, 1)[:, 0])[0])

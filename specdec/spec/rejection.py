@@ -18,6 +18,8 @@ distribution.
 """
 from __future__ import annotations
 
+import random
+
 
 import torch
 
@@ -82,13 +84,12 @@ def greedy_accept(
     return RejectionOutput(num_accepted, target[num_accepted], bonus=num_accepted == gamma)
 
 
-def synthetic_num_accepted(gamma: int, acceptance: float, generator: torch.Generator) -> int:
+def synthetic_num_accepted(gamma: int, acceptance: float, rng: random.Random) -> int:
     """A benchmark's verdict, not a lossless one (vLLM's `synthetic` rejection
     method): each draft is kept with probability `acceptance` given the ones before
     it, whatever the models say, so a pair of random-weight models, which agree on
     nothing, can be timed at the acceptance a real pair shows. The caller draws the
-    next token from the target's own row at that position."""
+    next token from the target's own row at that position. Drawn on the host, from
+    a Python generator: the verdict reads nothing from the device."""
     assert 0.0 < acceptance <= 1.0 and gamma >= 0, (acceptance, gamma)
-    uniforms = torch.rand(gamma, generator=generator, device=generator.device)
-    rejected = (uniforms >= acceptance).nonzero()
-    return int(rejected[0]) if rejected.numel() else gamma
+    return next((k for k in range(gamma) if rng.random() >= acceptance), gamma)
