@@ -32,6 +32,26 @@ def test_a_profile_is_read_back_under_its_key_only(tmp_path, caplog):
     assert start_profile.load(KEY, tmp_path) is None
 
 
+
+def test_a_kernel_backend_installed_or_upgraded_since_a_start_is_timed_at_the_next(monkeypatch):
+    """The key names each registered backend's package and version: a start after `pip install
+    zentorch` times its kernels, where the profile kept without it would have hidden them."""
+    from importlib import metadata
+    installed = {module: names for module, names in metadata.packages_distributions().items() if module != "zentorch"}
+    versions = {}
+    real_version = metadata.version
+    monkeypatch.setattr(metadata, "packages_distributions", lambda: installed)
+    monkeypatch.setattr(metadata, "version", lambda name: versions.get(name) or real_version(name))
+
+    def path():
+        return start_profile.path_for(start_profile.profile_key("m", "cpu", {"service": "s"}))
+    without = path()
+    installed["zentorch"], versions["zentorch"] = ["zentorch"], "2.13.0.2"
+    with_it = path()
+    versions["zentorch"] = "2.13.1.0"
+    assert len({without, with_it, path()}) == 3
+    assert path() == path()
+
 def test_a_profile_holds_while_a_decode_step_takes_what_it_did():
     profile = start_profile.StartProfile(CostCurve([30.0], 1.0))
     assert start_profile.holds(profile, 36.0) and start_profile.holds(profile, 24.0)

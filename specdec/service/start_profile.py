@@ -63,6 +63,15 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def _backend_packages() -> dict[str, str]:
+    """Each registered kernel backend's module and the packages that install it, with their
+    versions ("" where none does): a backend installed or upgraded since a profile was kept
+    is timed at the next start, not left out behind the profile kept without it."""
+    providers = metadata.packages_distributions()
+    return {backend.module: " ".join(sorted(f"{name}=={_version(name)}" for name in providers.get(backend.module, ())))
+            for backend in kernels.BACKENDS}
+
+
 def profile_key(model_identity: str, device: str, settings: dict[str, object]) -> dict[str, object]:
     """Everything a start's timings depend on: the machine (CPU model and features, the
     threads torch runs on), the libraries whose kernels were timed, the model (its
@@ -72,7 +81,7 @@ def profile_key(model_identity: str, device: str, settings: dict[str, object]) -
         "cpu_flags": hashlib.sha256(" ".join(sorted(kernels.cpu_flags())).encode()).hexdigest()[:16],
         "threads": torch.get_num_threads(), "device": device,
         "torch": torch.__version__, "transformers": _version("transformers"),
-        "llama_cpp": _version("llama_cpp_python"), "model": model_identity, **settings,
+        "backends": _backend_packages(), "model": model_identity, **settings,
     }
 
 
