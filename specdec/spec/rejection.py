@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import random
 
-
 import torch
 
 from specdec.spec.types import RejectionOutput
