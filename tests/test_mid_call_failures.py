@@ -131,6 +131,44 @@ def test_a_call_failing_after_its_forward_leaves_a_session_that_answers_as_its_t
     finally:
         running.stop(0)
 
+
+def test_a_request_whose_verify_fails_mid_way_gets_internal_and_leaves_no_session(tiny_draft, tiny_target,
+                                                                                  monkeypatch):
+    """The third Verify of a request raises after its forward: the client is told which service
+    failed (no internals), both services end the request's sessions, and the same request then
+    gives what it gave before."""
+    import verifier.target_session as target_session
+    from specdec.v1 import coordinator_pb2
+    from tests.conftest import coordinator_stub
+    servers = [drafter.service.serve(tiny_draft), verifier.service.serve(tiny_target)]
+    request = coordinator_pb2.GenerateRequest(prompt="the cat sat on", max_new_tokens=24, ignore_eos=True,
+                                              speculation=coordinator_pb2.Speculation(enabled=True, gamma=3))
+    try:
+        with coordinator_stub(drafter=f"127.0.0.1:{servers[0].port}", verifier=f"127.0.0.1:{servers[1].port}",
+                              gamma=3) as stub, channel(f"127.0.0.1:{servers[0].port}") as draft_channel, \
+                channel(f"127.0.0.1:{servers[1].port}") as target_channel:
+            infos = (drafter_pb2_grpc.DrafterStub(draft_channel).Info, verifier_pb2_grpc.VerifierStub(target_channel).Info)
+            before = stub.Generate(request, timeout=30)
+            assert before.stats.rounds >= 3
+            calls, real = [], target_session.greedy_accept
+
+            def third_fails(*args):
+                calls.append(1)
+                if len(calls) == 3:
+                    raise RuntimeError("injected: the verdict failed")
+                return real(*args)
+            with monkeypatch.context() as patched:
+                patched.setattr(target_session, "greedy_accept", third_fails)
+                error = rpc_error(stub.Generate, request, timeout=30)
+            assert error.code().name == "INTERNAL" and "verifier" in error.details(), error.details()
+            assert "injected" not in error.details()
+            assert wait_for(lambda: all(info(common_pb2.InfoRequest(), timeout=5).active_sessions == 0
+                                        for info in infos), 10)
+            assert stub.Generate(request, timeout=30).token_ids == before.token_ids
+    finally:
+        for server in servers:
+            server.stop(0)
+
 def test_a_failed_batch_reruns_each_call_alone_from_restored_caches(tiny_target, monkeypatch):
     """The batched forward fails after it wrote KV and moved the caches' lengths
     (in the LM head); each call then runs alone from where it was: the same
