@@ -32,7 +32,7 @@ from importlib import metadata
 
 import torch
 
-from specdec.runtime import kernel_choices, kernels
+from specdec.runtime import kernels
 from specdec.runtime.cost_curve import CostCurve
 from specdec.weights import registry
 
