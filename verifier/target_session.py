@@ -48,18 +48,21 @@ class TargetSession:
         else:
             self.synthetic.setstate(rng)
 
+    def _seed(self, sampling: SamplingConfig) -> int:
+        """The request's seed, or one drawn for the session when it has none."""
+        if self.seed is None:
+            self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(64)
+        return self.seed
+
     def _synthetic(self, sampling: SamplingConfig) -> random.Random:
         if self.synthetic is None:
-            seed = sampling.seed if sampling.seed is not None else secrets.randbits(64)
-            self.synthetic = random.Random(generator_seed(seed, "verifier"))
+            self.synthetic = random.Random(generator_seed(self._seed(sampling), "verifier"))
         return self.synthetic
 
     def _uniforms(self, sampling: SamplingConfig, start: int, count: int) -> torch.Tensor:
-        """[count, 2] float64: the uniforms of positions start.. (the request's seed, or
-        one drawn for the session when it has none)."""
-        if self.seed is None:
-            self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(64)
-        return torch.tensor([position_uniforms(self.seed, start + i) for i in range(count)], dtype=torch.float64)
+        """[count, 2] float64: the uniforms of positions start.. (of the session's seed)."""
+        seed = self._seed(sampling)
+        return torch.tensor([position_uniforms(seed, start + i) for i in range(count)], dtype=torch.float64)
 
     def _check_room(self, new_tokens: int) -> None:
         if len(self.seq) + new_tokens > self.loaded.max_context:
