@@ -86,7 +86,6 @@ def test_a_lossless_verifier_marks_nothing(stack):
     assert response.stats.synthetic_acceptance == 0.0
 
 
-
 def test_a_synthetic_verdict_reads_the_device_once_for_the_token_it_keeps(tiny_target):
     """The verdict is drawn on the host, so a Verify reads one value, the target's token there,
     as the GPU check's timed rounds need. Seeded, the verdicts repeat; a failed call's are given back."""
