@@ -11,9 +11,9 @@ from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.models import LoadedModel
 from specdec.spec.types import Commit
 from specdec.spec.sampling import SamplingConfig
-from specdec.spec.transform import make_generator, sample_from, scores_to_probs, transform_logits
+from specdec.spec.transform import make_generator, scores_to_probs, transform_logits
 from specdec.spec.wire import DraftProbs, Truncation
-from specdec.spec.draft_probs import dense_for_wire, round_probs_for_wire, sparse_probs, truncate_for_wire
+from specdec.spec.draft_probs import Drawn, draw, proposals_for_wire
 
 
 class Draft(NamedTuple):
@@ -114,58 +114,78 @@ class DraftSession:
             self.generator = make_generator(sampling, "drafter", self.loaded.device)
         self.round_base = len(self.seq)
         self.seq.append(prefix)
-        if self.chain and sampling.greedy and not sampling.penalized:
-            return (yield from self._chained_greedy(num_tokens, min_confidence, len(prefix)))
+        if self.chain and not sampling.penalized:
+            return (yield from self._chained(num_tokens, sampling, truncation, min_confidence, len(prefix)))
         draft_ids: list[int] = []
-        draft_probs: list[DraftProbs] = []
+        drawn: list[Drawn] = []
         confidences: list[float] = []
+        sizes: list[int] = []                              # each sampled proposal's support
         for i in range(num_tokens):
             logits = yield from self.seq.step(draft_ids[-1:] if i else [], keep_last=1)  # [1, model_vocab]
             scores = transform_logits(logits, self.seq.tokens, [], sampling, self.loaded.vocab_size)
             if sampling.greedy:
                 token, confidence = greedy_draft(scores[0])
-                draft_ids.append(token)
-            elif truncation.off:
-                probs = scores_to_probs(scores)                                            # [1, vocab]
-                draft_probs.append(dense_for_wire(probs[0]))
-                sent = round_probs_for_wire(probs)[0]
-                draft_ids.append(sample_from(sent, self.generator))
-                confidence = float(sent[draft_ids[-1]])
             else:
-                entry = truncate_for_wire(scores_to_probs(scores)[0], truncation)
-                draft_probs.append(entry)
-                sent = sparse_probs(entry)                                                 # [m]
-                index = sample_from(sent, self.generator)
-                draft_ids.append(entry.token_ids[index])
-                confidence = float(sent[index])
+                drawn.append(self._draw(scores, truncation))
+                token, confidence, size = torch.stack(
+                    [drawn[-1].token.double(), drawn[-1].confidence.double(), drawn[-1].size.double()]).tolist()
+                token = int(token)
+                sizes.append(int(size))
+            draft_ids.append(token)
             confidences.append(confidence)
             if confidence < min_confidence:
                 break
         # The last draft is not fed yet: next round feeds it only if it was accepted.
         self.seq.append(draft_ids[-1:])
         self.round_drafted = len(prefix) + len(draft_ids)
-        return Draft(draft_ids, draft_probs, confidences)
+        return Draft(draft_ids, self._for_wire(drawn, sizes), confidences)
 
-    def _chained_greedy(self, num_tokens: int, min_confidence: float, prefix: int) -> Steps[Draft]:
-        """Greedy drafting with each token fed back from the device (its scores need no history:
-        no penalty): the host queues a step without waiting for the last, and reads the round's
-        tokens and confidences once. Every step runs; the confidence rule then cuts the draft
-        after the token it would have stopped at, and the session is left as the step-by-step
-        loop leaves it: the kept drafts but the last fed, the last appended."""
+    def _draw(self, scores: torch.Tensor, truncation: Truncation) -> Drawn:
+        """A sampled draft token from [1, V] scores, one uniform from the session's generator,
+        drawn where the generator lives (a CUDA generator draws only on its device)."""
+        uniform = torch.rand((), generator=self.generator, device=self.generator.device, dtype=torch.float64)
+        return draw(scores_to_probs(scores)[0], truncation, uniform.to(scores.device))
+
+    @staticmethod
+    def _for_wire(drawn: list[Drawn], sizes: list[int]) -> list[DraftProbs]:
+        return proposals_for_wire([d.support for d in drawn], [d.probs for d in drawn], sizes)
+
+    def _chained(self, num_tokens: int, sampling: SamplingConfig, truncation: Truncation, min_confidence: float,
+                 prefix: int) -> Steps[Draft]:
+        """Drafting with each token fed back from the device (its scores need no history: no
+        penalty), greedy or sampled: the host queues a step without waiting for the last, and reads
+        the round's tokens, confidences and support sizes once, then copies the proposals sent.
+        Every step runs; the confidence rule then cuts the draft after the token it would have
+        stopped at, the generator is set back to where that token's draw left it, and the session
+        is left as the step-by-step loop leaves it: the kept drafts but the last fed, the last appended."""
         tokens: list[torch.Tensor] = []
         confidences: list[torch.Tensor] = []
+        drawn: list[Drawn] = []
+        states: list[torch.Tensor] = []                    # the generator after each draw
         for i in range(num_tokens):
             logits = yield from (self.seq.step_on_device(tokens[-1].view(1), keep_last=1) if i
                                  else self.seq.step([], keep_last=1))
-            token, confidence = greedy_on_device(logits[0, :self.loaded.vocab_size])
+            if sampling.greedy:
+                token, confidence = greedy_on_device(logits[0, :self.loaded.vocab_size])
+            else:
+                drawn.append(self._draw(transform_logits(logits, (), (), sampling, self.loaded.vocab_size),
+                                        truncation))
+                token, confidence = drawn[-1].token, drawn[-1].confidence
+                states.append(self.generator.get_state())  # host state (a CUDA generator's seed and offset)
             tokens.append(token)
             confidences.append(confidence)
         if not tokens:
             self.round_drafted = prefix
             return Draft([], [], [])
-        ids, sure = torch.stack([torch.stack(tokens).double(), torch.stack(confidences).double()]).tolist()
+        read = [torch.stack(tokens).double(), torch.stack(confidences).double()]
+        if drawn:
+            read.append(torch.stack([d.size for d in drawn]).double())
+        ids, sure, *sizes = torch.stack(read).tolist()
         kept = next((i + 1 for i, p in enumerate(sure) if p < min_confidence), len(ids))
         ids = [int(t) for t in ids[:kept]]
+        if states:
+            self.generator.set_state(states[kept - 1])
         self.seq.settle(self.round_base + prefix, ids)    # the cut drafts' cache dropped
         self.round_drafted = prefix + kept
-        return Draft(ids, [], sure[:kept])
+        return Draft(ids, self._for_wire(drawn[:kept], [int(n) for n in sizes[0][:kept]] if drawn else []),
+                     sure[:kept])

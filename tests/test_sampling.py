@@ -11,9 +11,11 @@ from scipy import stats
 from specdec.rpc.errors import InvalidArgument
 from specdec.spec.sampling import SamplingConfig
 from specdec.spec.transform import make_generator, sample_at, sample_from, scores_to_probs, transform_logits
-from specdec.spec.wire import sampling_from_proto, sampling_to_proto
-from specdec.spec.draft_probs import decode_probs, encode_probs, round_probs_for_wire
+from specdec.spec.wire import Truncation, sampling_from_proto, sampling_to_proto
+from specdec.spec.draft_probs import (decode_probs, draft_probs_tensor, draw, encode_probs, proposals_for_wire,
+                                      round_probs_for_wire)
 from specdec.v1 import common_pb2
+from tests.conftest import NoHostReads
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -87,6 +89,36 @@ def test_wire_probs_are_exactly_what_the_drafter_sampled_from():
     sent = round_probs_for_wire(probs)
     received = decode_probs(encode_probs(probs), 3, 50)
     assert torch.equal(sent, received)
+
+
+@pytest.mark.parametrize("truncation", [Truncation(), Truncation(top_k=12), Truncation(top_p=0.8),
+                                        Truncation(top_k=40, top_p=0.9)], ids=["dense", "top_k", "top_p", "both"])
+def test_a_draft_is_drawn_on_the_device_from_the_distribution_the_verifier_rebuilds(truncation):
+    """`draw` (a drafter's step, no host read) against the verifier's rebuild of what was sent:
+    20,000 draws, each with its own uniform, follow the rebuilt distribution; none falls outside
+    the support or on a zero; each draw's confidence is its rebuilt probability."""
+    probs = torch.softmax(torch.randn(64, generator=torch.Generator().manual_seed(5)) * 2.5, dim=0)
+    probs[[3, 17]] = 0.0                              # ids the model gives nothing: never drawn, never sent
+    probs /= probs.sum()
+    uniforms = torch.rand(20_000, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    with NoHostReads():
+        drawn = [draw(probs, truncation, u) for u in uniforms[:50]]
+    sizes = [int(d.size) for d in drawn]
+    entries = proposals_for_wire([d.support for d in drawn], [d.probs for d in drawn], sizes)
+    assert len(set(entries)) == 1                     # one distribution, sent alike each time
+    rebuilt = draft_probs_tensor(entries[:1], [int(drawn[0].token)], 64)[0].double()
+    for d in drawn:
+        assert float(d.confidence) == pytest.approx(float(rebuilt[int(d.token)]), rel=1e-6)
+    tokens = torch.tensor([int(draw(probs, truncation, u).token) for u in uniforms])
+    counts = torch.bincount(tokens, minlength=64).double()
+    support = rebuilt > 0
+    assert counts[~support].sum() == 0 and rebuilt[[3, 17]].sum() == 0
+    assert stats.chisquare(counts[support], counts.sum() * rebuilt[support] / rebuilt.sum()).pvalue > 1e-3
+    if not truncation.off:                            # the support is the most likely ids, as many as asked
+        assert support.sum() == sizes[0] < 62 and probs[support].min() >= probs[~support].max()
+        # ...and the draws are the cut distribution's, not the full one's
+        full = probs[probs > 0].double()
+        assert stats.chisquare(counts[probs > 0], 20_000 * full / full.sum()).pvalue < 1e-6
 
 
 @pytest.mark.parametrize("data, message", [

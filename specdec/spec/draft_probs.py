@@ -3,12 +3,13 @@ drafter's truncated or dense form, and the verifier's [gamma, V] rebuild,
 validated. torch, on the model services only (see specdec.spec.wire)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from specdec.rpc.errors import InvalidArgument
+from specdec.spec.transform import sample_at
 from specdec.spec.wire import DraftProbs, Truncation
 
 
@@ -60,19 +61,68 @@ def fp16_sum_tolerance(vocab_size: int) -> float:
     return 2 * (2.0 ** -11 + vocab_size * 2.0 ** -25)
 
 
-def truncate_for_wire(probs: torch.Tensor, truncation: Truncation) -> DraftProbs:
-    """[V] float probabilities -> the sparse proposal the drafter samples from and sends."""
+class Drawn(NamedTuple):
+    """One sampled draft token and the proposal it was drawn from, still on the model's device."""
+    token: torch.Tensor                # int64 scalar
+    confidence: torch.Tensor           # float32 scalar: the proposal's probability of the token
+    support: torch.Tensor | None       # [k] a truncated proposal's ids, most likely first; None: dense
+    probs: torch.Tensor                # fp16 [k] (zeros past the kept support) or [V]: what travels
+    size: torch.Tensor                 # int64 scalar: the support's nonzero entries (a prefix of it)
+
+
+def proposal(probs: torch.Tensor, truncation: Truncation) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """[V] probabilities -> (support ids [k] or None, fp16 probabilities [k] or [V]): the proposal
+    the drafter samples from and sends. Truncated: the `top_k` most likely (descending), cut to the
+    fewest holding `top_p` of the mass (at least one) by zeroing the rest, renormalized, rounded.
+    Fixed shapes and no host read, so a GPU drafter queues its next step before this one ends."""
     assert probs.dim() == 1, probs.shape
     probs = probs.float()
-    k = truncation.top_k or probs.shape[0]
-    values, ids = probs.topk(min(k, probs.shape[0]))  # descending
+    if truncation.off:
+        return None, probs.to(torch.float16)
+    k = min(truncation.top_k or probs.shape[0], probs.shape[0])
+    values, support = probs.topk(k)                                                 # descending
     if truncation.top_p < 1.0:
-        # The fewest top tokens holding top_p of the whole mass (at least one; at most top_k).
-        keep = int((values.cumsum(0) < truncation.top_p * probs.sum()).sum()) + 1
-        values, ids = values[:keep], ids[:keep]
-    rounded = (values / values.sum()).to(torch.float16)  # the support renormalized, then rounded
-    kept = rounded > 0  # a probability fp16 rounds to 0 could never be drawn: leave it out
-    return DraftProbs(tuple(ids[kept].tolist()), encode_probs(rounded[kept]))
+        keep = (values.cumsum(0) < truncation.top_p * probs.sum()).sum() + 1       # on the device
+        values = values.masked_fill(torch.arange(k, device=values.device) >= keep, 0.0)
+    return support, (values / values.sum()).to(torch.float16)
+
+
+def draw(probs: torch.Tensor, truncation: Truncation, uniform: torch.Tensor) -> Drawn:
+    """[V] probabilities -> the proposal (`proposal`) and a token drawn from it with `uniform`
+    (a float64 scalar), on probs' device. fp16 values are whole multiples of 2^-24, so a
+    vocabulary of them sums exactly in float64: drawn from the fp16 values as they travel
+    (`sample_at`'s float64 running sums), each id's chance is its value over their total,
+    which is the distribution the verifier rebuilds from the bytes."""
+    support, sent = proposal(probs, truncation)
+    index = sample_at(sent[None], uniform.reshape(1))                          # [1]: a tensor index
+    weights = sent.float()                                                      # reads nothing back
+    confidence = (weights.gather(0, index) / weights.sum())[0]
+    token = (index if support is None else support.gather(0, index))[0]
+    return Drawn(token, confidence, support, sent, (sent > 0).sum())
+
+
+def proposals_for_wire(supports: Sequence[torch.Tensor | None], probs: Sequence[torch.Tensor],
+                       sizes: Sequence[int]) -> list[DraftProbs]:
+    """`proposal`s as they travel, copied from the device once for all their probabilities and
+    once for all their supports, after the read of `sizes` (their nonzero counts), so nothing
+    is waited for then. A truncated proposal keeps the support fp16 did not round to 0 (a 0 is
+    never drawn): its first `size` entries."""
+    if not probs:
+        return []
+    if supports[0] is None:
+        rows = torch.stack(list(probs)).cpu().numpy()
+        return [DraftProbs((), row.astype("<f2", copy=False).tobytes()) for row in rows]
+    width = max(sizes)
+    values = torch.stack([p[:width] for p in probs]).cpu().numpy()
+    ids = torch.stack([s[:width] for s in supports]).cpu().numpy()
+    return [DraftProbs(tuple(row_ids[:n].tolist()), row[:n].astype("<f2", copy=False).tobytes())
+            for row_ids, row, n in zip(ids, values, sizes)]
+
+
+def truncate_for_wire(probs: torch.Tensor, truncation: Truncation) -> DraftProbs:
+    """[V] float probabilities -> the sparse proposal the drafter samples from and sends."""
+    support, sent = proposal(probs, truncation)
+    return proposals_for_wire([support], [sent], [int((sent > 0).sum())])[0]
 
 
 def _fp16_values(entry: DraftProbs) -> torch.Tensor:
@@ -81,8 +131,7 @@ def _fp16_values(entry: DraftProbs) -> torch.Tensor:
 
 def sparse_probs(entry: DraftProbs, values: torch.Tensor | None = None) -> torch.Tensor:
     """A sparse entry's probabilities [m] in float32, renormalized: what the
-    drafter samples from and the verifier scores with, computed identically
-    (`values`: the entry's, already decoded)."""
+    verifier scores with (`values`: the entry's, already decoded)."""
     values = _fp16_values(entry) if values is None else values
     return values / values.sum()
 
