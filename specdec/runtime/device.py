@@ -15,8 +15,8 @@ tensor's) and read by the code that runs it, instead of device checks of its own
   host timing cannot choose between kernels, so its paths are fixed (fused
   attention, the static step). The static step's inputs are staged in pinned memory
   and each row bucket replays a CUDA graph; a session's steps are fed their tokens on
-  the device: a greedy draft's round is read once, target-only decoding a step behind
-  the queue (`HostCopy`). Memory is the GPU's free memory.
+  the device: a draft's round (greedy, or sampled without penalties) is read once,
+  target-only decoding a step behind the queue (`HostCopy`). Memory is the GPU's free memory.
 """
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ class DevicePolicy:
     def chains_steps(self) -> bool:
         """Whether a session's steps feed each token from the device, so the host queues a step
         before it reads the token before it (a read waits for the GPU's queue to drain): the
-        drafter reads a greedy round's tokens once, target-only decoding reads each token a
-        step behind. The CPU keeps the step-by-step loops: nothing runs while the host reads,
+        drafter reads a round's tokens once (greedy, or sampled without penalties: drawn on the
+        device), target-only decoding reads each token a step behind. The CPU keeps the step-by-step loops: nothing runs while the host reads,
         and the drafter's confidence rule there saves the steps it cuts."""
         return self.on_gpu
 
