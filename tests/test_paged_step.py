@@ -126,6 +126,35 @@ def test_a_shared_prefixs_pages_are_shared_and_given_back_with_their_last_holder
     assert arena.free_pages == 15                                 # every page but the scratch page
 
 
+def test_one_sessions_rows_gather_its_context_once_and_several_sessions_rows_their_own(forward, monkeypatch):
+    """A verification's k rows would read their session's keys and values k times, one gather a
+    row: one call's rows (padded to their bucket) share one gather, and give what one gather a row
+    gives; rows of several sessions, or a single row, gather their own."""
+    runner = runner_for(forward)
+    seen = []
+    step = runner.step.__call__
+
+    def spy(ids, positions, tables, shared=False):
+        seen.append((ids.shape[0], shared))
+        return step(ids, positions, tables, shared)
+    monkeypatch.setattr(runner, "_bucket_step", spy)
+    tokens = [(5 * i + 2) % 240 + 7 for i in range(50)]
+    first, second = runner.arena.new_sequence(), runner.arena.new_sequence()
+    runner.forward([(tokens[:40], first, 1)])
+    runner.forward([(tokens[:20], second, 1)])
+    seen.clear()
+    verify = runner.forward([(tokens[40:45], first, 5)])[0]       # 5 rows in the bucket of 8
+    first.crop(40)
+    inputs = runner._inputs_for(8, runner.context_pages(45))       # the same call's buffers, one gather a row
+    with torch.inference_mode():
+        apart = runner.step(*inputs, shared=False)[:5]
+    runner.forward([(tokens[40:41], first, 1)])
+    runner.forward([(tokens[41:44], first, 3), (tokens[20:22], second, 2)])
+    assert seen == [(8, True), (1, False), (8, False)]
+    assert torch.allclose(verify, apart, atol=1e-5)
+    assert torch.allclose(verify, lean_logits(forward, [(tokens[:40], 1), (tokens[40:45], 5)])[1], atol=ATOL)
+
+
 def test_a_step_compiles_whole_and_syncs_nothing_and_the_arena_never_moves(forward):
     runner = runner_for(forward)
     arena = runner.arena

@@ -16,7 +16,10 @@ same logits whatever padding shares their step.
 `PagedRunner` is the host's side: persistent input buffers per bucket at fixed
 addresses, filled from pinned memory by non-blocking copies; a call's rows
 padded to its bucket; on CUDA the bucket's graph, captured at warm-up
-(`capture`), replayed. With `compile` the step is `torch.compile`d whole, once
+(`capture`), replayed. A bucket has two graphs past one row: rows of several
+sessions, each gathering its own pages, and one session's rows (a verification,
+a chunk), which gather its pages once for all of them (k rows of one session
+would otherwise read its keys and values k times). With `compile` the step is `torch.compile`d whole, once
 per bucket at static shapes (gpt-fast's decode step), before its graph is
 captured: the norms, rotary and activations fuse, and an INT8 weight's cast
 folds into its matmul (quant.int8_device).
@@ -102,8 +105,9 @@ class PagedStep:
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
                  shared: bool = False) -> torch.Tensor:
         """`tables` [R, pages]: as many pages as the call's context bucket needs (at most
-        max_pages). `shared`: every row is one sequence's (a prefill chunk), whose context is
-        gathered once for all of them, not once a row."""
+        max_pages). `shared`: the rows are one sequence's from row 0 (a verification, a prefill
+        chunk), padding rows after them, and its context is gathered once for all of them, not
+        once a row."""
         rows, heads, kv_heads, dim = ids.shape[0], self.heads, self.kv_heads, self.head_dim
         page = self.arena.page_tokens
         q_size, kv_size = heads * dim, kv_heads * dim
@@ -195,18 +199,19 @@ class PagedRunner:
             # step is another instance of it (the check's models, two models in one process).
             config = torch._dynamo.config   # cache_size_limit before torch 2.6
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-            setattr(config, name, getattr(config, name) + len(self.buckets))
+            setattr(config, name, getattr(config, name) + 2 * len(self.buckets))   # shared and not
             # gpt-fast's setting: inductor then writes a 1-row matmul (a draft step, a decode) as
             # a reduction on a GPU, which an INT8 weight's cast folds into; otherwise cuBLAS runs
             # it over the weight cast to bf16 first, and INT8 reads more than bf16 would.
             options = {"coordinate_descent_tuning": True} if compile == "inductor" else None
             compiled = torch.compile(self.step, backend=compile, fullgraph=True, options=options)
 
-            def bucket_step(ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+            def bucket_step(ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                            shared: bool = False) -> torch.Tensor:
                 for tensor in (ids, positions, tables):
                     torch._dynamo.mark_static(tensor, 0)
                 torch._dynamo.mark_dynamic(tables, 1)
-                return compiled(ids, positions, tables)
+                return compiled(ids, positions, tables, shared)
             self._bucket_step = bucket_step
         self.device = device = arena.keys.device
         self.graphs = policy(device).graphs if graphs is None else graphs
@@ -221,7 +226,8 @@ class PagedRunner:
         self._staging = {rows: torch.zeros((height, rows), dtype=torch.long, pin_memory=self._pinned)
                          for rows in self.buckets}
         self._copied = {rows: torch.cuda.Event() if self._pinned else None for rows in self.buckets}
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (rows, pages, shared) -> the graph and its output
+        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
     def bucket(self, rows: int) -> int:
@@ -250,10 +256,17 @@ class PagedRunner:
             return
         pages = self.context_pages(context or 1)
         for rows in sorted(self.buckets, reverse=True):
-            self._capture(rows, pages)
+            for shared in {False, self._shared(rows, 1)}:
+                self._capture(rows, pages, shared)
         torch.cuda.synchronize()
 
-    def _capture(self, rows: int, pages: int) -> None:
+    @staticmethod
+    def _shared(rows: int, calls: int) -> bool:
+        """Whether a bucket's step gathers one context for all its rows: one call's rows (padding
+        rows then read that context at position 0, and write only the scratch page)."""
+        return calls == 1 and rows > 1
+
+    def _capture(self, rows: int, pages: int, shared: bool) -> None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         inputs = self._inputs_for(rows, pages)
@@ -261,12 +274,12 @@ class PagedRunner:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._bucket_step(*inputs)
+                self._bucket_step(*inputs, shared)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._bucket_step(*inputs)
-        self._graphs[(rows, pages)] = (graph, out)
+            out = self._bucket_step(*inputs, shared)
+        self._graphs[(rows, pages, shared)] = (graph, out)
 
     @torch.inference_mode()
     def forward(self, items: Sequence[tuple[Sequence[int] | torch.Tensor, PagedSequence, int]]) -> list[torch.Tensor]:
@@ -300,6 +313,7 @@ class PagedRunner:
     def _bucketed(self, items: Sequence[tuple[Sequence[int] | torch.Tensor, PagedSequence, int]]) -> list[torch.Tensor]:
         rows = sum(len(ids) for ids, _, _ in items)
         size = self.bucket(rows)
+        shared = self._shared(size, len(items))
         pages = self.context_pages(max(sequence.length + len(ids) for ids, sequence, _ in items))
         if self._copied[size] is not None:
             self._copied[size].synchronize()   # the last copy out of this staging has landed
@@ -323,13 +337,14 @@ class PagedRunner:
             self._copied[size].record()
         for lo, hi, ids in on_device:
             self._inputs[size][0, lo:hi].copy_(ids)
-        if self.graphs and (size, pages) not in self._graphs:
-            self._capture(size, pages)
-        if (size, pages) in self._graphs:
-            graph, logits = self._graphs[(size, pages)]
+        key = (size, pages, shared)
+        if self.graphs and key not in self._graphs:
+            self._capture(*key)
+        if key in self._graphs:
+            graph, logits = self._graphs[key]
             graph.replay()
         else:
-            logits = self._bucket_step(*self._inputs_for(size, pages))
+            logits = self._bucket_step(*self._inputs_for(size, pages), shared)
         for ids, sequence, _ in items:
             sequence.length += len(ids)
         logits = logits[:rows].clone()   # the graph's output is overwritten by the next replay

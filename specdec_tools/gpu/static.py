@@ -8,7 +8,8 @@ row bucket), beside the HBM floor, for the GPU check:
   - 4 greedy steps three ways: each token read back before the next step is queued (the
     CPU's loops), each read a step behind (a GPU's target-only decoding), and all chained
     on the device and read once (a GPU's drafter);
-  - 1 and 8 rows after a 1,024-token context (each row gathers its pages: flatness there);
+  - 1 and 8 rows of one session after a 1,024-token context (its pages gathered once for its
+    rows, read 8 times: flatness there);
   - the step's greedy tokens against the lean forward's over 16 decode steps (bf16:
     where they differ, a tie is all that may part them).
 """
@@ -30,7 +31,7 @@ from specdec_tools.gpu.steps import bf16_steps_apart
 
 ROWS = (1, 2, 4, 8, 16)
 CHAIN = 4           # greedy steps timed each way a session reads its tokens
-LONG_PREFIX = 1024  # a long prompt's context: each row gathers its pages, so k rows read its KV k times
+LONG_PREFIX = 1024  # a long prompt's context: one gather for a session's k rows, which attend k times
 MAX_CONTEXT = 2048  # the tables' reach (the 128-token timings still read a 256-token context bucket)
 
 
@@ -127,8 +128,8 @@ def prefilled(runner: PagedRunner, arena: KVArena, ids: list[int], prefix: int):
 
 
 def rows_ms(runner: PagedRunner, sequence, ids: list[int], prefix: int, rows, clock, repeats: int) -> dict:
-    """ms of one step by rows after `prefix` cached positions, the least of `repeats` each: after a
-    long prefix each row gathers its session's pages, so k rows read the context's KV k times."""
+    """ms of one step by rows after `prefix` cached positions, the least of `repeats` each: one
+    session's k rows, which gather its pages once and attend over them k times."""
     return {count: least_ms(lambda: runner.forward([(ids[prefix:prefix + count], sequence, count)]),
                             lambda: sequence.crop(prefix), clock, repeats) for count in rows}
 
