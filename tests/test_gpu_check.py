@@ -51,7 +51,8 @@ def test_the_gpu_check_runs_every_section_and_writes_one_table(tmp_path):
     for step, rows in [*((s, [1, 2, 4, 8, 16]) for s in static), *((s, [1, 8]) for s in compiled["models"])]:
         assert [int(n) for n in step["rows_ms"]] == rows and min(step["rows_ms"].values()) > 0, step
         assert step["graphs"] == torch.cuda.is_available()
-        assert min(step["chain_ms"][way] for way in ("read_each", "read_behind", "chained")) > 0, step
+        assert min(step["chain_ms"][way] for way in ("read_each", "read_behind", "chained", "sampled_read_each",
+                                                     "sampled_chained")) > 0, step
         assert [int(n) for n in step["long_rows_ms"]] == [1, 8] and step["long_ratio_8"] > 0, step
         greedy = step["greedy"]   # the same tokens, or parted by a bf16 tie
         assert greedy["agreed"] == greedy["of"] == 16 or greedy["first_difference_bf16_steps"] <= 2.0, step

@@ -99,7 +99,8 @@ def static_table(static: dict, how: str = "a CUDA graph a bucket") -> list[str]:
     counts = sorted({int(n) for r in rows for n in r.get("rows_ms", {})})
     head = ["static step", "GB read a step", "floor ms", *[f"{n} row{'s' if n > 1 else ''} ms" for n in counts],
             "1 row / floor", "8 rows / 1", "16 rows / 1", "8 rows / 1 at 1k context",
-            "4 greedy steps: read each / read behind / chained ms", "graphs (capture s)",
+            "4 greedy steps: read each / read behind / chained ms", "4 sampled draft steps: read each / chained ms",
+            "graphs (capture s)",
             "greedy as the lean forward's"]
     out = [f"Static step ({how}), device copy bandwidth {static['copy_gbps']} GB/s:", "",
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -116,6 +117,7 @@ def static_table(static: dict, how: str = "a CUDA graph a bucket") -> list[str]:
             r["label"], r["weights_gb"], r.get("floor_ms") or "-", *[f"{ms[n]:.3f}" if n in ms else "-" for n in counts],
             r.get("one_row_over_floor", "-"), r.get("ratio_8", "-"), r.get("ratio_16", "-"), r.get("long_ratio_8", "-"),
             " / ".join(str(r.get("chain_ms", {}).get(k, "-")) for k in ("read_each", "read_behind", "chained")),
+            " / ".join(str(r.get("chain_ms", {}).get(k, "-")) for k in ("sampled_read_each", "sampled_chained")),
             f"{r['graphs']} ({r['capture_s']})",
             agreed]) + " |")
     out += [f"- {r['label']}: graph capture failed, timed eager: {r['capture_error']}"

@@ -7,7 +7,8 @@ row bucket), beside the HBM floor, for the GPU check:
     (on the CPU, the eager step: it runs, its times say nothing of a GPU);
   - 4 greedy steps three ways: each token read back before the next step is queued (the
     CPU's loops), each read a step behind (a GPU's target-only decoding), and all chained
-    on the device and read once (a GPU's drafter);
+    on the device and read once (a GPU's drafter); and 4 sampled draft steps (T=0.7, the
+    coordinator's default truncation) read each and chained;
   - 1 and 8 rows of one session after a 1,024-token context (its pages gathered once for its
     rows, read 8 times: flatness there);
   - the step's greedy tokens against the lean forward's over 16 decode steps (bf16:
@@ -20,6 +21,7 @@ import time
 
 import torch
 
+from coordinator.settings import DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P
 from drafter.draft_session import greedy_draft, greedy_on_device
 from specdec.runtime.kv_arena import KVArena, device_budget_bytes
 from specdec.runtime.models import load_model
@@ -27,6 +29,10 @@ from specdec.runtime.paged_step import BUCKETS, PagedRunner
 from specdec.runtime.sequence import SequenceCache
 from specdec.runtime.device import HostCopy, policy
 from specdec.service.warm_up import CURVE_PREFIX
+from specdec.spec.draft_probs import Drawn, draw, proposals_for_wire
+from specdec.spec.sampling import SamplingConfig
+from specdec.spec.transform import scores_to_probs, transform_logits
+from specdec.spec.wire import Truncation
 from specdec_tools.gpu.steps import bf16_steps_apart
 
 ROWS = (1, 2, 4, 8, 16)
@@ -150,8 +156,9 @@ def chain_ms(vocab: int, runner: PagedRunner, sequence, first: int, clock, repea
     """`steps` greedy steps on the step, each way a session reads its tokens: each read back
     before the next step is queued (the CPU's loops), each read a step behind with the next
     step fed from the device (a GPU's target-only decoding: verifier.target_session), and all
-    fed from the device and read once (a GPU's greedy draft round: drafter.draft_session). The
-    least of a few runs each."""
+    fed from the device and read once (a GPU's greedy draft round: drafter.draft_session); and
+    `steps` sampled draft steps as the drafter takes them (`draw`, T=0.7, the coordinator's
+    default truncation), each read back, and chained and read once. The least of a few runs each."""
     start = sequence.length
 
     def step(fed) -> torch.Tensor:
@@ -181,8 +188,36 @@ def chain_ms(vocab: int, runner: PagedRunner, sequence, first: int, clock, repea
             fed = token.view(1)
         torch.stack([torch.stack(tokens).double(), torch.stack(confidences).double()]).tolist()
 
+    generator = torch.Generator(device=runner.device).manual_seed(0)
+    sampling, truncation = SamplingConfig(temperature=0.7), Truncation(DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P)
+
+    def sampled(fed) -> Drawn:
+        uniform = torch.rand((), generator=generator, device=generator.device, dtype=torch.float64)
+        scores = transform_logits(step(fed)[None], (), (), sampling, vocab)
+        return draw(scores_to_probs(scores)[0], truncation, uniform)
+
+    def read(drawn: list[Drawn]) -> list[int]:
+        """The drafts' tokens, their confidences and support sizes in one read, then their proposals."""
+        ids, _, sizes = torch.stack([torch.stack([getattr(d, f) for d in drawn]).double()
+                                     for f in ("token", "confidence", "size")]).tolist()
+        proposals_for_wire([d.support for d in drawn], [d.probs for d in drawn], [int(n) for n in sizes])
+        return [int(t) for t in ids]
+
+    def sampled_read_each() -> None:
+        token = first
+        for _ in range(steps):
+            token = read([sampled([token])])[0]
+
+    def sampled_chained() -> None:
+        fed, drawn = [first], []
+        for _ in range(steps):
+            drawn.append(sampled(fed))
+            fed = drawn[-1].token.view(1)
+        read(drawn)
+
     out = {name: least_ms(run, lambda: sequence.crop(start), clock, repeats)
-           for name, run in (("read_each", read_each), ("read_behind", read_behind), ("chained", chained))}
+           for name, run in (("read_each", read_each), ("read_behind", read_behind), ("chained", chained),
+                             ("sampled_read_each", sampled_read_each), ("sampled_chained", sampled_chained))}
     sequence.crop(start)
     return out
 
