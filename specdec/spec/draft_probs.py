@@ -67,7 +67,7 @@ class Drawn(NamedTuple):
     confidence: torch.Tensor           # float32 scalar: the proposal's probability of the token
     support: torch.Tensor | None       # [k] a truncated proposal's ids, most likely first; None: dense
     probs: torch.Tensor                # fp16 [k] (zeros past the kept support) or [V]: what travels
-    size: torch.Tensor                 # int64 scalar: the support's nonzero entries (a prefix of it)
+    size: torch.Tensor                 # int64 scalar: the nonzero entries (of a truncated one, a prefix)
 
 
 def proposal(probs: torch.Tensor, truncation: Truncation) -> tuple[torch.Tensor | None, torch.Tensor]:
