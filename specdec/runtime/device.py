@@ -63,8 +63,9 @@ class DevicePolicy:
         """Whether a session's steps feed each token from the device, so the host queues a step
         before it reads the token before it (a read waits for the GPU's queue to drain): the
         drafter reads a round's tokens once (greedy, or sampled without penalties: drawn on the
-        device), target-only decoding reads each token a step behind. The CPU keeps the step-by-step loops: nothing runs while the host reads,
-        and the drafter's confidence rule there saves the steps it cuts."""
+        device), target-only decoding reads each token a step behind. The CPU keeps the
+        step-by-step loops: nothing runs while the host reads, and the drafter's confidence
+        rule there saves the steps it cuts."""
         return self.on_gpu
 
     @property

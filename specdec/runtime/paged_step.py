@@ -19,10 +19,10 @@ padded to its bucket; on CUDA the bucket's graph, captured at warm-up
 (`capture`), replayed. A bucket has two graphs past one row: rows of several
 sessions, each gathering its own pages, and one session's rows (a verification,
 a chunk), which gather its pages once for all of them (k rows of one session
-would otherwise read its keys and values k times). With `compile` the step is `torch.compile`d whole, once
-per bucket at static shapes (gpt-fast's decode step), before its graph is
-captured: the norms, rotary and activations fuse, and an INT8 weight's cast
-folds into its matmul (quant.int8_device).
+would otherwise read its keys and values k times). With `compile` the step is
+`torch.compile`d whole, once a graph at static shapes (gpt-fast's decode step),
+before the graph is captured: the norms, rotary and activations fuse, and an
+INT8 weight's cast folds into its matmul (quant.int8_device).
 """
 from __future__ import annotations
 
