@@ -180,12 +180,12 @@ class DraftSession:
         read = [torch.stack(tokens).double(), torch.stack(confidences).double()]
         if drawn:
             read.append(torch.stack([d.size for d in drawn]).double())
-        ids, sure, *sizes = torch.stack(read).tolist()
+        ids, sure, *sizes = torch.stack(read).tolist()    # sizes: [[...]] where sampled, else []
         kept = next((i + 1 for i, p in enumerate(sure) if p < min_confidence), len(ids))
         ids = [int(t) for t in ids[:kept]]
         if states:
             self.generator.set_state(states[kept - 1])
         self.seq.settle(self.round_base + prefix, ids)    # the cut drafts' cache dropped
         self.round_drafted = prefix + kept
-        return Draft(ids, self._for_wire(drawn[:kept], [int(n) for n in sizes[0][:kept]] if drawn else []),
-                     sure[:kept])
+        entries = self._for_wire(drawn[:kept], [int(n) for n in sizes[0][:kept]]) if drawn else []
+        return Draft(ids, entries, sure[:kept])

@@ -94,7 +94,7 @@ def test_chained_sampled_drafts_leave_what_the_step_by_step_loop_leaves(draft, t
             (0, 0.0, (11, 12), 2), (6, 0.2, (), 3), (4, 0.0, (), 4)]
     step_by_step = rounds(DraftSession(draft, PROMPT, chain=False), plan, sampling, truncation)
     assert_same_rounds(rounds(DraftSession(draft, PROMPT, chain=True), plan, sampling, truncation), step_by_step)
-    drafted = [r for r in step_by_step[::2]]
+    drafted = step_by_step[::2]
     assert any(len(r[0]) < plan[i][0] for i, r in enumerate(drafted)), "no round was cut"
     assert len({t for r in drafted for t in r[0]}) > 5                   # draws, not one token again
     entries = [e for r in drafted for e in r[1]]
