@@ -11,9 +11,9 @@ from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.models import LoadedModel
 from specdec.spec.types import Commit
 from specdec.spec.sampling import SamplingConfig
-from specdec.spec.transform import make_generator, scores_to_probs, transform_logits
+from specdec.spec.transform import make_generator, scores_to_probs, transform_logits, uniform
 from specdec.spec.wire import DraftProbs, Truncation
-from specdec.spec.draft_probs import Drawn, draw, proposals_for_wire
+from specdec.spec.draft_probs import Drawn, draw, read_drawn
 
 
 class Draft(NamedTuple):
@@ -117,20 +117,16 @@ class DraftSession:
         if self.chain and not sampling.penalized:
             return (yield from self._chained(num_tokens, sampling, truncation, min_confidence, len(prefix)))
         draft_ids: list[int] = []
-        drawn: list[Drawn] = []
+        entries: list[DraftProbs] = []
         confidences: list[float] = []
-        sizes: list[int] = []                              # each sampled proposal's support
         for i in range(num_tokens):
             logits = yield from self.seq.step(draft_ids[-1:] if i else [], keep_last=1)  # [1, model_vocab]
             scores = transform_logits(logits, self.seq.tokens, [], sampling, self.loaded.vocab_size)
             if sampling.greedy:
                 token, confidence = greedy_draft(scores[0])
             else:
-                drawn.append(self._draw(scores, truncation))
-                token, confidence, size = torch.stack(
-                    [drawn[-1].token.double(), drawn[-1].confidence.double(), drawn[-1].size.double()]).tolist()
-                token = int(token)
-                sizes.append(int(size))
+                (token,), (confidence,), entry = read_drawn([self._draw(scores, truncation)])
+                entries += entry
             draft_ids.append(token)
             confidences.append(confidence)
             if confidence < min_confidence:
@@ -138,17 +134,11 @@ class DraftSession:
         # The last draft is not fed yet: next round feeds it only if it was accepted.
         self.seq.append(draft_ids[-1:])
         self.round_drafted = len(prefix) + len(draft_ids)
-        return Draft(draft_ids, self._for_wire(drawn, sizes), confidences)
+        return Draft(draft_ids, entries, confidences)
 
     def _draw(self, scores: torch.Tensor, truncation: Truncation) -> Drawn:
-        """A sampled draft token from [1, V] scores, one uniform from the session's generator,
-        drawn where the generator lives (a CUDA generator draws only on its device)."""
-        uniform = torch.rand((), generator=self.generator, device=self.generator.device, dtype=torch.float64)
-        return draw(scores_to_probs(scores)[0], truncation, uniform.to(scores.device))
-
-    @staticmethod
-    def _for_wire(drawn: list[Drawn], sizes: list[int]) -> list[DraftProbs]:
-        return proposals_for_wire([d.support for d in drawn], [d.probs for d in drawn], sizes)
+        """A sampled draft token from [1, V] scores, with one uniform from the session's generator."""
+        return draw(scores_to_probs(scores)[0], truncation, uniform(self.generator).to(scores.device))
 
     def _chained(self, num_tokens: int, sampling: SamplingConfig, truncation: Truncation, min_confidence: float,
                  prefix: int) -> Steps[Draft]:
@@ -177,15 +167,15 @@ class DraftSession:
         if not tokens:
             self.round_drafted = prefix
             return Draft([], [], [])
-        read = [torch.stack(tokens).double(), torch.stack(confidences).double()]
         if drawn:
-            read.append(torch.stack([d.size for d in drawn]).double())
-        ids, sure, *sizes = torch.stack(read).tolist()    # sizes: [[...]] where sampled, else []
+            ids, sure, entries = read_drawn(drawn)
+        else:
+            ids, sure = torch.stack([torch.stack(tokens).double(), torch.stack(confidences).double()]).tolist()
+            entries = []
         kept = next((i + 1 for i, p in enumerate(sure) if p < min_confidence), len(ids))
         ids = [int(t) for t in ids[:kept]]
         if states:
             self.generator.set_state(states[kept - 1])
         self.seq.settle(self.round_base + prefix, ids)    # the cut drafts' cache dropped
         self.round_drafted = prefix + kept
-        entries = self._for_wire(drawn[:kept], [int(n) for n in sizes[0][:kept]]) if drawn else []
-        return Draft(ids, entries, sure[:kept])
+        return Draft(ids, entries[:kept], sure[:kept])

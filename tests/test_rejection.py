@@ -10,10 +10,10 @@ from scipy import stats
 
 from specdec.spec.rejection import greedy_accept, rejection_sample
 from specdec.spec.sampling import SamplingConfig
-from specdec.spec.transform import sample_at, scores_to_probs, transform_logits
+from specdec.spec.transform import sample_at, scores_to_probs, transform_logits, uniform
 from specdec.spec.wire import ONE_HOT, DraftProbs, Truncation
 from tests.conftest import NoHostReads
-from specdec.spec.draft_probs import dense_for_wire, draft_probs_tensor, draw, proposals_for_wire
+from specdec.spec.draft_probs import dense_for_wire, draft_probs_tensor, draw, read_drawn
 
 V = 8
 N = 10_000
@@ -175,8 +175,8 @@ def test_a_draft_cut_short_by_its_own_confidence_stays_lossless():
 
 def _sample_truncated(draft: torch.Tensor, truncation: Truncation, generator) -> tuple[int, DraftProbs]:
     """The drafter's draw (`draft_probs.draw`): from its distribution cut to `truncation`, as sent."""
-    drawn = draw(draft, truncation, torch.rand((), generator=generator, dtype=torch.float64))
-    return int(drawn.token), proposals_for_wire([drawn.support], [drawn.probs], [int(drawn.size)])[0]
+    (token,), _, (entry,) = read_drawn([draw(draft, truncation, uniform(generator))])
+    return token, entry
 
 
 def _first_two_tokens(target: torch.Tensor, propose, seed: int, free: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -119,6 +119,15 @@ def proposals_for_wire(supports: Sequence[torch.Tensor | None], probs: Sequence[
             for row_ids, row, n in zip(ids, values, sizes)]
 
 
+def read_drawn(drawn: Sequence[Drawn]) -> tuple[list[int], list[float], list[DraftProbs]]:
+    """Drawn drafts on the host: their tokens, confidences and support sizes in one read (the
+    only wait for the device), then their proposals as they travel (`proposals_for_wire`)."""
+    ids, confidences, sizes = torch.stack([torch.stack([getattr(d, field) for d in drawn]).double()
+                                           for field in ("token", "confidence", "size")]).tolist()
+    entries = proposals_for_wire([d.support for d in drawn], [d.probs for d in drawn], [int(n) for n in sizes])
+    return [int(t) for t in ids], confidences, entries
+
+
 def truncate_for_wire(probs: torch.Tensor, truncation: Truncation) -> DraftProbs:
     """[V] float probabilities -> the sparse proposal the drafter samples from and sends."""
     support, sent = proposal(probs, truncation)

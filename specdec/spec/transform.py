@@ -103,10 +103,14 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
     torch.multinomial took 2.4 ms a draw over Qwen's 151,936 ids here, an eighth of
     a draft step; this takes a tenth of that."""
     assert probs.dim() == 1, probs.shape
-    # The uniform is drawn where the generator lives (a CUDA generator draws only
-    # on its device), whatever device `probs` is on (a sparse entry's: the CPU).
-    uniform = torch.rand((), generator=generator, device=generator.device, dtype=torch.float64)
-    return int(sample_at(probs[None], uniform.reshape(1).to(probs.device))[0])
+    # Whatever device `probs` is on (a sparse entry's: the CPU).
+    return int(sample_at(probs[None], uniform(generator).reshape(1).to(probs.device))[0])
+
+
+def uniform(generator: torch.Generator) -> torch.Tensor:
+    """One float64 uniform in [0, 1), a scalar drawn where the generator lives (a CUDA
+    generator draws only on its device): nothing is read back."""
+    return torch.rand((), generator=generator, device=generator.device, dtype=torch.float64)
 
 
 def sample_at(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

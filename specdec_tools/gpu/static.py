@@ -29,9 +29,9 @@ from specdec.runtime.paged_step import BUCKETS, PagedRunner
 from specdec.runtime.sequence import SequenceCache
 from specdec.runtime.device import HostCopy, policy
 from specdec.service.warm_up import CURVE_PREFIX
-from specdec.spec.draft_probs import Drawn, draw, proposals_for_wire
+from specdec.spec.draft_probs import Drawn, draw, read_drawn
 from specdec.spec.sampling import SamplingConfig
-from specdec.spec.transform import scores_to_probs, transform_logits
+from specdec.spec.transform import scores_to_probs, transform_logits, uniform
 from specdec.spec.wire import Truncation
 from specdec_tools.gpu.steps import bf16_steps_apart
 
@@ -192,28 +192,20 @@ def chain_ms(vocab: int, runner: PagedRunner, sequence, first: int, clock, repea
     sampling, truncation = SamplingConfig(temperature=0.7), Truncation(DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P)
 
     def sampled(fed) -> Drawn:
-        uniform = torch.rand((), generator=generator, device=generator.device, dtype=torch.float64)
         scores = transform_logits(step(fed)[None], (), (), sampling, vocab)
-        return draw(scores_to_probs(scores)[0], truncation, uniform)
-
-    def read(drawn: list[Drawn]) -> list[int]:
-        """The drafts' tokens, their confidences and support sizes in one read, then their proposals."""
-        ids, _, sizes = torch.stack([torch.stack([getattr(d, f) for d in drawn]).double()
-                                     for f in ("token", "confidence", "size")]).tolist()
-        proposals_for_wire([d.support for d in drawn], [d.probs for d in drawn], [int(n) for n in sizes])
-        return [int(t) for t in ids]
+        return draw(scores_to_probs(scores)[0], truncation, uniform(generator))
 
     def sampled_read_each() -> None:
         token = first
         for _ in range(steps):
-            token = read([sampled([token])])[0]
+            token = read_drawn([sampled([token])])[0][0]
 
     def sampled_chained() -> None:
         fed, drawn = [first], []
         for _ in range(steps):
             drawn.append(sampled(fed))
             fed = drawn[-1].token.view(1)
-        read(drawn)
+        read_drawn(drawn)
 
     out = {name: least_ms(run, lambda: sequence.crop(start), clock, repeats)
            for name, run in (("read_each", read_each), ("read_behind", read_behind), ("chained", chained),
