@@ -6,7 +6,12 @@ at 8 (one pass, `fbgemm-int8-row8`) against the int8 weight's exact product, on 
 gate/up and down projections; and each row's own rounding error before the GEMM (what
 a kernel could read to give a row the second pass only where it needs it).
 
-  python benchmarks/row_bits.py [--model qwen2.5-coder-1.5b-instruct] [--prompts 3] [--tokens 24]
+For the down projections, whose outliers 8 bits a row lose, two splits as LLM.int8()
+makes them: `--split K` entries of each row kept exact (beside the 8-bit pass over the
+rest), taken either as the K input channels largest on the prefill rows (fixed channels,
+a kernel's static gather) or as each row's own K largest entries (a gather per call).
+
+  python benchmarks/row_bits.py [--model qwen2.5-coder-1.5b-instruct] [--prompts 3] [--tokens 24] [--split 32]
 """
 from __future__ import annotations
 
@@ -56,11 +61,31 @@ def captured_inputs(loaded, prompts: int, tokens: int) -> tuple[dict, dict]:
     return inputs, layers
 
 
+def split_errors(calls: list, weight: torch.Tensor, state, coarse, k: int) -> dict[str, list[float]]:
+    """Decode rows' output error when k entries of each row are kept exact and the rest take the
+    8-bit pass: the k channels of largest |x| times weight column norm over the prefill rows, or
+    each row's k largest |x|."""
+    prefill = torch.cat([x for decode, x in calls if not decode] or [torch.zeros(1, weight.shape[1])])
+    channels = (prefill.abs().amax(0) * weight.norm(dim=0)).argsort(descending=True)[:k]
+    found = collections.defaultdict(list)
+    for decode, x in calls:
+        if not decode:
+            continue
+        exact = x.double() @ weight.double().t()
+        for name, kept in ((f"8 bits, {k} fixed channels exact", channels.expand(len(x), k)),
+                           (f"8 bits, each row's {k} largest exact", x.abs().topk(k, dim=1).indices)):
+            rest = x.scatter(1, kept, 0.0)
+            y = coarse.run(state, rest).double() + (x - rest).double() @ weight.double().t()
+            found[name] += ((y - exact).norm(dim=1) / exact.norm(dim=1)).tolist()
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--split", type=int, default=32, help="entries of a down projection's row kept exact")
     args = parser.parse_args()
     loaded = load_model(args.model, dtype="bf16", quantize="int4")
     inputs, layers = captured_inputs(loaded, args.prompts, args.tokens)
@@ -85,6 +110,9 @@ def main() -> None:
                     found[(kind, row, name)].append(error)
             for row, error in zip(rows, own.tolist()):
                 found[(kind, row, "the row's own 8-bit rounding")].append(error)
+        if kind == "down" and args.split:
+            for name, errors in split_errors(calls, weight, state, coarse, args.split).items():
+                found[(kind, "decode", name)] += errors
     print("| layers | rows | output error at | n | median | p90 | p99 | max |")
     print("|---|---|---|---|---|---|---|---|")
     for (kind, row, name), errors in sorted(found.items()):
