@@ -309,7 +309,8 @@ class Stack:
         coordinator = wait_serving(self.children[-1], options.ready_timeout_s)
         if options.standby:
             # Not before the stack serves (their imports would disturb the services' timings at
-            # warm-up), nor at once: a stack's first requests do not share the cores with them.
+            # warm-up), nor at once: a stack's first requests do not share the cores with them
+            # where their imports cannot yield them (nice 19 where it can be undone: standby.py).
             self._standby_timer = threading.Timer(STANDBY_DELAY_S, self._spawn_standbys)
             self._standby_timer.daemon = True
             self._standby_timer.start()
