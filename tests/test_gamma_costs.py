@@ -345,11 +345,14 @@ def test_plans_follow_the_curves_the_services_publish_again():
     # A request that started before, ending now, does not put the old curve back.
     priors.finish(SamplingConfig(), running)
     assert priors.start(SamplingConfig()).cost.verify_ms(1) == pytest.approx(41.0)
-    # What rounds measured stays: a row count seen keeps its own estimate.
+    # What rounds measured stays, on the new curve: a row count seen keeps what its rounds took
+    # over its published forward (47 against 42), one not seen the offset the seen ones show.
     cost = CostModel.from_curves([20.0], [40.0, 42.0])
     cost.observe(1, 20.0, 47.0)   # γ = 1: 2 rows, 47 ms measured
+    assert cost.verify_ms(1) == pytest.approx(47.0) and cost.verify_ms(0) == pytest.approx(45.0)
     cost.follow(verify_ms=[30.0, 31.0])
-    assert cost.verify_ms(1) == pytest.approx(47.0) and cost.verify_curve.measured == [30.0, 31.0]
+    assert cost.verify_ms(1) == pytest.approx(31.0 * 47.0 / 42.0) and cost.verify_curve.measured == [30.0, 31.0]
+    assert cost.verify_ms(0) == pytest.approx(35.0)
     # Pinned (frozen) costs never move: tests and policy comparisons plan on what they were given.
     frozen = CostModel.from_curves([20.0], [40.0, 42.0])
     frozen.frozen = True
@@ -368,3 +371,25 @@ def test_now_and_then_a_request_refused_for_its_prefill_drafts_all_the_same_but_
     assert not any(priors.probe_prefill(calls=8.0, prompt_tokens=80) for _ in range(many))    # loaded: never
     assert not any(priors.probe_prefill(calls=1.0, prompt_tokens=PREFILL_PROBE_MAX_TOKENS + 1)  # a long prefill:
                    for _ in range(many))                                                       # never probed
+
+
+def test_a_one_row_cost_measured_on_a_busy_machine_does_not_keep_the_model_drafting_once_it_is_quiet():
+    # The default pair's curves on the 2-core EPYC. For the first seconds of a stack the
+    # standbys' imports took the cores: the verifier published forwards twice as slow and
+    # requests decoded at 72 ms a token. Once they were done, a request at γ = 1 (2 rows, 62 ms;
+    # its draft step 25 ms, 0.83 of them kept: 1.83 tokens in 87 ms) never measured one-row
+    # rounds again, and planned on the busy 72 ms against 47 ms a token drafting.
+    draft, quiet = [12.8, 22.0, 29.3], [34.9, 59.9, 79.7, 120.7]
+    state = ControllerState(cost=CostModel.from_curves(draft, quiet))
+    controller = GammaController(3, state)
+    state.cost.follow(verify_ms=[2 * ms for ms in quiet])                 # the busy seconds
+    for _ in range(6):                                                   # target-only chunks of 16
+        controller.observe(RoundRecord(0, 0, 0, 0, False, 0.0, 16 * 72.0, steps=16))
+    state.cost.follow(verify_ms=quiet)                                   # quiet again
+    rng = random.Random(0)
+    for _ in range(40):
+        accepted = int(rng.random() < 0.83)
+        controller.observe(round_record(1, accepted, 25.0, 62.0))
+    one_row = state.cost.verify_ms(0)
+    assert one_row == pytest.approx(34.9 * 72.0 / 69.8, rel=0.01)        # the quiet forward and its rounds' share
+    assert controller.goodput(0) > controller.goodput(1) and controller.best() == 0

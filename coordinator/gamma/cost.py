@@ -48,40 +48,47 @@ class EwLinearFit:
 class RowCurve:
     """Verify time by rows (γ + 1 per round), starting from the verifier's measured
     cost curve and learned per row count: a row count seen in rounds has its own
-    EWMA; one not seen yet is its measured forward plus the offset the seen ones
-    show over theirs (the RPC and the rejection sampler, which the curve leaves
-    out). Rows are not free in every precision (int4 takes 4 a kernel pass, so the
-    5th costs as much again), which a line in γ cannot represent."""
+    EWMA of what its rounds took over its published forward (the RPC and the
+    rejection sampler, which the curve leaves out); one not seen yet is its
+    published forward plus the offset the seen ones show over theirs. Rows are not
+    free in every precision (int4 takes 4 a kernel pass, so the 5th costs as much
+    again), which a line in γ cannot represent.
+
+    Learned as a ratio to the published forward, a row count's estimate moves with the
+    curve the verifier publishes again (a machine busier or quieter than when its rounds
+    ran), whether or not its rounds run now: a request at γ = 1 never measures γ = 0's
+    one-row rounds, and their cost measured while three processes took the cores (the
+    standbys' imports at start) kept the controller drafting at 0.73x target-only once
+    they were done."""
 
     def __init__(self, measured: Sequence[float], rate: float = 0.1):
         assert measured, "a curve needs at least the 1-row forward"
         self.measured = [float(ms) for ms in measured]          # [rows - 1] -> ms
         self.forward_ms = RowCost(self.measured)                # a forward over any rows: a batch's
-        self.estimate = list(self.measured)
+        self.ratio = [1.0] * len(self.measured)                 # [rows - 1] -> rounds' ms over the forward's
         self.seen = [0] * len(self.measured)
         self.offset, self.offset_count, self.rate = 0.0, 0, rate
 
     def rebase(self, measured: Sequence[float]) -> None:
-        """A newer published curve: the base of every row count not seen in rounds."""
-        seen = {i: self.estimate[i] for i in range(len(self.seen)) if self.seen[i]}
-        counts = list(self.seen)
+        """A newer published curve: every row count's estimate on it, seen or not."""
+        before = len(self.seen)
         self.measured = [float(ms) for ms in measured]
         self.forward_ms = RowCost(self.measured)
-        self.estimate = [seen.get(i, ms) for i, ms in enumerate(self.measured)]
-        self.seen = [counts[i] if i < len(counts) else 0 for i in range(len(self.measured))]
+        self.ratio = [self.ratio[i] if i < before else 1.0 for i in range(len(self.measured))]
+        self.seen = [self.seen[i] if i < before else 0 for i in range(len(self.measured))]
 
     def observe(self, rows: int, ms: float) -> None:
         i = rows - 1
-        if not 0 <= i < len(self.measured):
+        if not 0 <= i < len(self.measured) or not self.measured[i] > 0:
             return
         self.seen[i] += 1
-        self.estimate[i] += max(self.rate, 1 / self.seen[i]) * (ms - self.estimate[i])
+        self.ratio[i] += max(self.rate, 1 / self.seen[i]) * (ms / self.measured[i] - self.ratio[i])
         self.offset_count += 1
         self.offset += max(self.rate, 1 / self.offset_count) * (ms - self.measured[i] - self.offset)
 
     def __call__(self, rows: int) -> float:
         i = min(max(rows, 1), len(self.measured)) - 1
-        value = self.estimate[i] if self.seen[i] else self.measured[i] + self.offset
+        value = self.measured[i] * self.ratio[i] if self.seen[i] else self.measured[i] + self.offset
         if rows > len(self.measured):
             value += (rows - len(self.measured)) * self.forward_ms.slope
         return max(value, 0.0)
@@ -127,8 +134,9 @@ class CostModel:
     def follow(self, draft_ms: Sequence[float] | None = None, verify_ms: Sequence[float] | None = None,
                draft_prefill_ms_per_token: float | None = None) -> None:
         """The services published their curves again (they follow their forwards):
-        plan on them where rounds have not taught better. A row count's own
-        estimate from measured rounds stays; what it was not seen at moves."""
+        plan on them. A row count seen in rounds keeps what they took over its published
+        forward (RowCurve); the draft's line and the Decode calls', learned from rounds
+        alone, stay."""
         if self.frozen:
             return
         if verify_ms:
