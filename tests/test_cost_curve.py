@@ -76,3 +76,16 @@ def test_a_live_curve_forgets_what_the_window_has_passed():
     for _ in range(5):
         live.observe(1, 20.0)           # and went: the median follows within half a window
     assert live.current().forward_ms == [20.0]
+
+
+def test_a_row_count_no_longer_served_moves_with_the_others_once_its_forwards_are_old():
+    live = LiveCurve(CostCurve([20.0, 22.0], 2.0), window=8, min_samples=3, horizon=40)
+    for _ in range(8):
+        live.observe(1, 80.0)           # one-row forwards while a neighbour took the cores
+    for _ in range(20):
+        live.observe(2, 23.0)           # then only 2-row verifications, the machine quiet again
+    assert live.current().forward_ms == [80.0, 23.0]   # within the horizon the busy forwards still count
+    for _ in range(20):
+        live.observe(2, 23.0)
+    # Past it, one row is its warm-up cost moved as the 2-row forwards moved (23 / 22).
+    assert live.current().forward_ms == pytest.approx([20.0 * 23.0 / 22.0, 23.0])

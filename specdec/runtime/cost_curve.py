@@ -91,18 +91,23 @@ class LiveCurve:
     a few forwards slowed by a neighbour or a page fault do not move it. A row
     count with too few recent forwards takes its warm-up cost scaled as the
     others have moved (the median of their ratios), so a machine that got busier
-    or quieter moves the whole curve. A forward of prefill chunks alone, past the
-    curve's rows, gives the prefill's ms per token. Prefill chunks teach the row
+    or quieter moves the whole curve. Recent is by the service's forwards, not a
+    row count's own: a forward more than `horizon` forwards back no longer counts,
+    so the one-row forwards of a busy minute do not stand for one row's cost while
+    the service runs only verifications of several (a request drafting at γ = 1).
+    A forward of prefill chunks alone, past the curve's rows, gives the prefill's
+    ms per token (its window kept whole: a request makes a chunk or two). Prefill chunks teach the row
     counts nothing: they may run another path than the kernels a decode or a
     verification runs (`dense_rows`: a dense fp32 matmul on an AVX2 CPU, some
     times cheaper per row), and a curve that took a short prompt's prefill for a
     verification of as many rows would make batched drafting under load look
     cheaper than it is."""
 
-    def __init__(self, measured: CostCurve, window: int = 32, min_samples: int = 5):
+    def __init__(self, measured: CostCurve, window: int = 32, min_samples: int = 5, horizon: int | None = None):
         self.measured = measured
         self.min_samples = min_samples
-        self._rows = [deque(maxlen=window) for _ in measured.forward_ms]
+        self.horizon = horizon or 8 * window      # forwards of any rows after which one no longer counts
+        self._rows = [deque(maxlen=window) for _ in measured.forward_ms]   # (forward index, ms)
         self._prefill: deque = deque(maxlen=window)
         self._lock = threading.Lock()
         self.observed = 0
@@ -114,13 +119,15 @@ class LiveCurve:
         with self._lock:
             self.observed += 1
             if prefill_rows == 0 and rows <= len(self._rows):
-                self._rows[rows - 1].append(ms)
+                self._rows[rows - 1].append((self.observed, ms))
             elif prefill_rows == rows >= 2 * len(self._rows):   # chunks alone, not a batch just past the curve
                 self._prefill.append(ms / rows)
 
     def current(self) -> CostCurve:
         with self._lock:
-            medians = [statistics.median(w) if len(w) >= self.min_samples else None for w in self._rows]
+            since = self.observed - self.horizon
+            recent = [[ms for index, ms in w if index > since] for w in self._rows]
+            medians = [statistics.median(r) if len(r) >= self.min_samples else None for r in recent]
             prefill = statistics.median(self._prefill) if len(self._prefill) >= self.min_samples else None
         ratios = [m / w for m, w in zip(medians, self.measured.forward_ms) if m is not None and w > 0]
         scale = statistics.median(ratios) if ratios else 1.0
