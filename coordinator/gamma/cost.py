@@ -57,9 +57,8 @@ class RowCurve:
     Learned as a ratio to the published forward, a row count's estimate moves with the
     curve the verifier publishes again (a machine busier or quieter than when its rounds
     ran), whether or not its rounds run now: a request at γ = 1 never measures γ = 0's
-    one-row rounds, and their cost measured while three processes took the cores (the
-    standbys' imports at start) kept the controller drafting at 0.73x target-only once
-    they were done."""
+    one-row rounds, and their cost measured while other processes took the cores (the
+    standbys' imports at a stack's start) would keep it drafting once they are done."""
 
     def __init__(self, measured: Sequence[float], rate: float = 0.1):
         assert measured, "a curve needs at least the 1-row forward"
