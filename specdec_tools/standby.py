@@ -78,7 +78,10 @@ class Imports:
         with self._lock:
             self._hurried = True
             if self.lowered and self._tid is not None and not self.done.is_set():
-                os.setpriority(os.PRIO_PROCESS, self._tid, self.base)
+                try:
+                    os.setpriority(os.PRIO_PROCESS, self._tid, self.base)
+                except OSError:   # the thread ended meanwhile: nothing left to hurry
+                    pass
 
     def entry(self):
         """The module, imported: the rest of its imports here, if any failed on the thread; every
