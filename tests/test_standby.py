@@ -36,13 +36,19 @@ SERVICE_MAIN = textwrap.dedent("""
 """)
 
 
-def test_a_standby_imports_at_idle_priority_and_serves_at_its_own(tmp_path):
+def fake_service(tmp_path, main_source: str) -> dict[str, str]:
+    """A package `fake_service` under tmp_path whose __main__ is `main_source`; the environment
+    that imports it."""
     package = tmp_path / "fake_service"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "__main__.py").write_text(SERVICE_MAIN)
-    env = {**os.environ, "STANDBY_TEST_DIR": str(tmp_path),
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    (package / "__main__.py").write_text(main_source)
+    return {**os.environ, "STANDBY_TEST_DIR": str(tmp_path),
+            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_a_standby_imports_at_idle_priority_and_serves_at_its_own(tmp_path):
+    env = fake_service(tmp_path, SERVICE_MAIN)
     base = os.getpriority(os.PRIO_PROCESS, 0)
     standby = subprocess.Popen([sys.executable, "-m", "specdec_tools.standby", "fake_service"], stdin=subprocess.PIPE,
                                text=True, env=env)
@@ -72,11 +78,7 @@ def test_a_standby_imports_at_idle_priority_and_serves_at_its_own(tmp_path):
 
 
 def test_a_standby_told_nothing_ends_without_serving(tmp_path):
-    package = tmp_path / "fake_service"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "__main__.py").write_text("def main(args):\n    raise SystemExit(3)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    env = fake_service(tmp_path, "def main(args):\n    raise SystemExit(3)\n")
     result = subprocess.run([sys.executable, "-m", "specdec_tools.standby", "fake_service"], input="\n", text=True,
                             env=env, timeout=30)
     assert result.returncode == 0

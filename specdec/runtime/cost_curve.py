@@ -96,9 +96,9 @@ class LiveCurve:
     so the one-row forwards of a busy minute do not stand for one row's cost while
     the service runs only verifications of several (a request drafting at γ = 1).
     A forward of prefill chunks alone, past the curve's rows, gives the prefill's
-    ms per token (its window kept whole: a request makes a chunk or two). Prefill chunks teach the row
-    counts nothing: they may run another path than the kernels a decode or a
-    verification runs (`dense_rows`: a dense fp32 matmul on an AVX2 CPU, some
+    ms per token (its window kept whole: a request makes a chunk or two). Prefill
+    chunks teach the row counts nothing: they may run another path than the
+    kernels a decode or a verification runs (`dense_rows`: a dense fp32 matmul on an AVX2 CPU, some
     times cheaper per row), and a curve that took a short prompt's prefill for a
     verification of as many rows would make batched drafting under load look
     cheaper than it is."""
