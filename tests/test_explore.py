@@ -226,6 +226,37 @@ def test_a_token_a_call_is_charged_against_a_chunks_token_once_chunks_have_been_
     assert fresh.decode_token_ms() == pytest.approx(31.0)
 
 
+def test_a_token_a_call_is_never_free_where_the_decode_line_puts_a_calls_cost_at_0():
+    # On a noisy 2-core CPU the Decode calls' line can fit a fixed part under 0 (one-token
+    # calls measured faster a token than chunks): a call a token then looked free whatever the
+    # lookups kept, and was charged nothing, so requests whose lookups never matched decoded a
+    # token a call to the end. Each call still spends its RPC outside the verifier (1.5 ms
+    # here): priced at that, the wager ends once the lookups' fading yield no longer pays for
+    # it, and each call is charged at least its RPC.
+    from coordinator.gamma.explore import LOOKUP_WAIT
+    from coordinator.rounds import RoundRecord
+
+    def call_ms(steps: int) -> float:
+        return 35.0 if steps == 1 else 36.0 * steps
+
+    c = controller(verify=[36.0, 56.0, 70.0], budget_ms=1e9)
+    c.without_model()
+    for _ in range(20):
+        c.state.cost.observe_decode(16, call_ms(16), rpc_ms=1.5)
+        c.state.cost.observe_decode(1, call_ms(1), rpc_ms=1.5)
+    assert c.state.cost.decode_calls.coefficients()[0] < 0
+    assert c.state.cost.call_overhead_ms() == pytest.approx(1.5)
+    steps = []
+    for _ in range(60):    # lookups that find nothing: their yield fades from its prior, 0.9 a round
+        steps.append(c.decode_steps(16))
+        c.observe(RoundRecord(0, 0, 0, 0, False, 0.0, call_ms(steps[-1]), steps=steps[-1], rpc_ms=1.5))
+    waits = c.exploration.ledger[LOOKUP_WAIT]
+    # While the yield (0.9^n) times a step (35-36 ms) is above the call's 1.5 ms: 30 rounds or so.
+    n = steps.index(16) if 16 in steps else len(steps)
+    assert 25 <= n <= 35 and steps == [1] * n + [16] * (len(steps) - n), steps
+    assert waits.count == n and waits.ms == pytest.approx(n * 1.5)
+
+
 def test_a_seeded_sampled_requests_fixed_gamma_is_0_where_the_start_curves_say_drafting_cannot_pay():
     # Chosen once from the curves the services published at start, at the prior acceptance
     # (0.6): on a 2-core CPU's shape the model pays only from about 0.89, so seeded samples

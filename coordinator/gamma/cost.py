@@ -113,6 +113,14 @@ class CostModel:
     # and chunks of many tell a from b; the curve's offset cannot (a curve measured high
     # at warm-up reads as a call that costs nothing, and every token then took a call).
     decode_calls: EwLinearFit = field(default_factory=lambda: decode_line(()))
+    # What a Decode call took outside the verifier (its time at the coordinator less the
+    # service's own: the RPC), an EWMA over calls: the least a call costs beyond its steps,
+    # measured on each call, where the line's fixed part is the difference of two large
+    # figures. On a noisy 2-core CPU that fit reached 0 and a call a token looked free:
+    # requests whose lookups kept nothing went on decoding a token a call (coding prompts:
+    # 63 calls for 64 tokens, each charged under 1 ms, so the budget never ran out).
+    call_rpc_ms: float = 0.0
+    call_rpc_count: int = 0
     # Plan on the services' published curves alone, never on measured rounds: the
     # choice of γ is then the same on every machine (tests, policy comparisons).
     frozen: bool = False
@@ -180,10 +188,15 @@ class CostModel:
         else:
             self.verify.observe(gamma, verify_ms)
 
-    def observe_decode(self, steps: int, ms: float) -> None:
-        """A Decode call of `steps` target tokens, run alone in its forwards, took `ms`."""
-        if steps > 0 and not self.frozen:
-            self.decode_calls.observe(steps, ms)
+    def observe_decode(self, steps: int, ms: float, rpc_ms: float = 0.0) -> None:
+        """A Decode call of `steps` target tokens, run alone in its forwards, took `ms`,
+        `rpc_ms` of it outside the verifier (0: not measured)."""
+        if steps <= 0 or self.frozen:
+            return
+        self.decode_calls.observe(steps, ms)
+        if rpc_ms > 0:
+            self.call_rpc_count += 1
+            self.call_rpc_ms += max(RPC_RATE, 1 / self.call_rpc_count) * (rpc_ms - self.call_rpc_ms)
 
     def verify_ms(self, gamma: int, calls: float = 1.0) -> float:
         """A round's verify cost at γ when `calls` calls share each forward, all of
@@ -223,8 +236,9 @@ class CostModel:
 
     def call_overhead_ms(self) -> float:
         """What a verifier call costs beyond its forwards (RPC, sampling, the round's
-        bookkeeping): the fixed part of the Decode calls' line."""
-        return max(self.decode_calls.coefficients()[0], 0.0)
+        bookkeeping): the fixed part of the Decode calls' line, and never less than
+        the calls' measured RPC."""
+        return max(self.decode_calls.coefficients()[0], self.call_rpc_ms, 0.0)
 
     def marginal_verify_ms(self, gamma: int, calls: float = 1.0) -> float:
         """What verifying one more draft token costs on top of γ of them."""
@@ -251,4 +265,5 @@ def prefill_line(draft_ms: Sequence[float], ms_per_token: float) -> EwLinearFit 
     return EwLinearFit(default=(fixed, float(ms_per_token)), a_over_b=fixed / ms_per_token, decay=0.95, weight=0.01)
 
 
+RPC_RATE = 0.1     # the EWMA's weight for a Decode call's RPC time, after its first ten calls
 LOAD_ALONE = 1.05  # calls per forward at or below which a call counts as having run alone

@@ -273,19 +273,22 @@ class GammaController:
         state = self.state
         state.rounds += 1
         if self._probe_kind is not None:   # charged at what it cost beyond target-only decoding
-            tokens = round.accepted + max(round.steps, 1)
-            # A one-token call against what its token costs in target-only's chunks: the
-            # call's whole overhead, where the published forward hid the part a chunk saves.
-            step = state.cost.decode_token_ms() if self._probe_kind == LOOKUP_WAIT else \
-                state.cost.verify_ms(0, self.calls())
-            self.exploration.charge(self._probe_kind, round.draft_ms + round.verify_ms - tokens * step)
+            tokens, took = round.accepted + max(round.steps, 1), round.draft_ms + round.verify_ms
+            if self._probe_kind == LOOKUP_WAIT:
+                # A one-token call against what its token costs in target-only's chunks: the
+                # call's whole overhead, where the published forward hid the part a chunk saves;
+                # at least its RPC, which a chunk's tokens share.
+                ms = max(took - tokens * state.cost.decode_token_ms(), round.rpc_ms)
+            else:
+                ms = took - tokens * state.cost.verify_ms(0, self.calls())
+            self.exploration.charge(self._probe_kind, ms)
             self._probe_kind = None
         # What was drafted, not what was asked for: a confidence stop may draft fewer.
         state.cost.observe(round.drafted, round.draft_ms, round.verify_ms / max(round.steps, 1),
                            draft_alone=round.draft_batch_calls <= LOAD_ALONE,
                            verify_alone=round.verify_batch_calls <= LOAD_ALONE, model_tokens=round.drafted_by(MODEL))
         if round.drafted == 0 and round.verify_batch_calls <= LOAD_ALONE:
-            state.cost.observe_decode(round.steps, round.verify_ms)
+            state.cost.observe_decode(round.steps, round.verify_ms, round.rpc_ms)
         # What a free source keeps, less what its rows cost the verifier beyond one step, in
         # steps: where each row costs nearly a step (a kernel whose cost grows with the rows),
         # a lookup keeping half its tokens gains nothing, and decoding a token a round for it
