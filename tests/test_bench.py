@@ -50,6 +50,11 @@ def test_bench_quick_on_the_tiny_pair(tmp_path, capsys):
     assert sorted({r["question_id"] for r in runs}) == ["1", "3"]
     assert len(runs) == 2 * 2 * len(systems)
     assert len((out / "runs.jsonl").read_text().splitlines()) == len(runs)  # written as they ended
+    # Each system ran once before any run was measured, a few tokens, and none of it is counted.
+    from specdec_tools.bench.running import WARMUP_TOKENS
+    warmups = report["meta"]["warmups"]
+    assert [w["system"] for w in warmups] == systems
+    assert all(0 < w["new_tokens"] <= WARMUP_TOKENS < 32 for w in warmups)
     assert all(0 < r["new_tokens"] <= 32 and r["seconds"] > 0 for r in runs)
     # Every service run prefilled its prompt cold, as the in-process ones do: none found
     # what another system's run of the same prompt left in the prefix caches.

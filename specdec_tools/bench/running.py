@@ -45,6 +45,9 @@ def run_order(systems: list[str], group: int) -> list[str]:
     return [systems[k] for k in rows[group % len(rows)]]
 
 
+WARMUP_TOKENS = 8   # a warm-up run's new tokens: its prefill and first steps are what run cold
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="specdec bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", default="qwen-coder", choices=sorted(PAIRS))
@@ -79,6 +82,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="the services' device (on cuda the pair's int4 target is served in its dtype)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--no-warmup", action="store_true",
+                   help=f"measure from the first run: no untimed run of each system first ({WARMUP_TOKENS} tokens "
+                        "of the first prompt)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"))
     args = p.parse_args(argv)
     if args.replicate_gamma is not None and str(args.replicate_gamma) not in args.gammas.split(","):
@@ -169,14 +175,35 @@ def main(argv: list[str] | None = None) -> int:
         total = len(questions) * len(temperatures) * len(systems)
         args.out.mkdir(parents=True, exist_ok=True)
         progress = open(args.out / "runs.jsonl", "w", encoding="utf-8")  # every run as it ends: a crash loses none
+
+        def runner_for(system: str):
+            return (in_process if system in (HF_GENERATE, HF_ASSISTED) else
+                    llama if system.startswith(LLAMA_CPP) else
+                    bf16_services if system.endswith(BF16) else services)
+        # Each system once before any run is measured, untimed: a stack's first requests pay
+        # one-off costs (weights paged in, a first prefill's kernels, llama.cpp's first graph)
+        # that would fall on whichever system the order puts first. In four dev-half runs on
+        # the AVX-512 EPYC (2026-12-06) the first run, spec-auto's, went at 0.79-0.95x the
+        # speed of the target-only run of the same prompt right after it.
+        warmups = []
+        for system in [] if args.no_warmup or not questions else systems:
+            runner = runner_for(system)
+            measured, runner.max_new_tokens = runner.max_new_tokens, WARMUP_TOKENS
+            try:
+                run = runner.run(system, questions[0], temperatures[0], args.seed - 1, prompts[questions[0]],
+                                 **({"cache_salt": uuid.uuid4().hex} if runner in (services, bf16_services) else {}))
+            finally:
+                runner.max_new_tokens = measured
+            warmups.append({"system": system, "new_tokens": run.new_tokens, "seconds": run.seconds})
+        if warmups:
+            say(f"warm-up: {len(warmups)} systems ran {WARMUP_TOKENS} tokens of {questions[0].category} "
+                f"q{questions[0].question_id} once, not counted ({sum(w['seconds'] for w in warmups):.1f} s)")
         for qi, question in enumerate(questions):
             prompt_ids = prompts[question]
             for temperature in temperatures:
                 group = qi * len(temperatures) + temperatures.index(temperature)
                 for system in run_order(systems, group):
-                    runner = (in_process if system in (HF_GENERATE, HF_ASSISTED) else
-                              llama if system.startswith(LLAMA_CPP) else
-                              bf16_services if system.endswith(BF16) else services)
+                    runner = runner_for(system)
                     # Every service run prefills its prompt cold, as llama.cpp's and transformers'
                     # do: under a salt of its own, the prefix caches hold nothing another system's
                     # run of the same prompt left (the first system of a prompt would pay the
@@ -213,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = dict(pair=args.pair, draft=pair.draft, target=pair.target, questions=len(questions),
                 skipped=[f"{q.category}/{q.question_id}" for q in too_long],
                 max_new_tokens=args.max_new_tokens, temperatures=temperatures, threads=args.threads,
-                systems=systems, wall_s=time.perf_counter() - started,
+                systems=systems, warmups=warmups, wall_s=time.perf_counter() - started,
                 temperature_keys=[f"T={t:g}" for t in temperatures], best_gamma=picks,
                 auto_within_5pct=within(picks, tasks, "auto_vs_best"),
                 replica_within_5pct=within(picks, tasks, "replica_vs_best"), curves=curves,
