@@ -116,7 +116,7 @@ class CostModel:
     # What a Decode call took outside the verifier (its time at the coordinator less the
     # service's own: the RPC), an EWMA over calls: the least a call costs beyond its steps,
     # measured on each call, where the line's fixed part is the difference of two large
-    # figures. On a noisy 2-core CPU that fit reached 0 and a call a token looked free:
+    # figures. On a noisy 2-core CPU that fit went under 0 and a call a token looked free:
     # requests whose lookups kept nothing went on decoding a token a call (coding prompts:
     # 63 calls for 64 tokens, each charged under 1 ms, so the budget never ran out).
     call_rpc_ms: float = 0.0

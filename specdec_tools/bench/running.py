@@ -48,6 +48,27 @@ def run_order(systems: list[str], group: int) -> list[str]:
 WARMUP_TOKENS = 8   # a warm-up run's new tokens: its prefill and first steps are what run cold
 
 
+def warm_up(systems: list[str], runner_for, question, temperature: float, seed: int, prompt_ids: list[int],
+            served) -> list[dict]:
+    """Each system once before any run is measured, WARMUP_TOKENS new tokens, untimed: a
+    stack's first requests pay one-off costs (weights paged in, a first prefill's kernels,
+    llama.cpp's first graph) that would fall on whichever system the order puts first. In
+    four dev-half runs on the AVX-512 EPYC (2026-12-06) the first run, spec-auto's, went at
+    0.79-0.95x the speed of the target-only run of the same prompt right after it.
+    `served(runner)`: the runner's requests go through the services (a cache salt of their own)."""
+    warmups = []
+    for system in systems:
+        runner = runner_for(system)
+        measured, runner.max_new_tokens = runner.max_new_tokens, WARMUP_TOKENS
+        try:
+            run = runner.run(system, question, temperature, seed, prompt_ids,
+                             **({"cache_salt": uuid.uuid4().hex} if served(runner) else {}))
+        finally:
+            runner.max_new_tokens = measured
+        warmups.append({"system": system, "new_tokens": run.new_tokens, "seconds": run.seconds})
+    return warmups
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="specdec bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", default="qwen-coder", choices=sorted(PAIRS))
@@ -180,21 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             return (in_process if system in (HF_GENERATE, HF_ASSISTED) else
                     llama if system.startswith(LLAMA_CPP) else
                     bf16_services if system.endswith(BF16) else services)
-        # Each system once before any run is measured, untimed: a stack's first requests pay
-        # one-off costs (weights paged in, a first prefill's kernels, llama.cpp's first graph)
-        # that would fall on whichever system the order puts first. In four dev-half runs on
-        # the AVX-512 EPYC (2026-12-06) the first run, spec-auto's, went at 0.79-0.95x the
-        # speed of the target-only run of the same prompt right after it.
-        warmups = []
-        for system in [] if args.no_warmup or not questions else systems:
-            runner = runner_for(system)
-            measured, runner.max_new_tokens = runner.max_new_tokens, WARMUP_TOKENS
-            try:
-                run = runner.run(system, questions[0], temperatures[0], args.seed - 1, prompts[questions[0]],
-                                 **({"cache_salt": uuid.uuid4().hex} if runner in (services, bf16_services) else {}))
-            finally:
-                runner.max_new_tokens = measured
-            warmups.append({"system": system, "new_tokens": run.new_tokens, "seconds": run.seconds})
+        warmups = [] if args.no_warmup or not questions else warm_up(
+            systems, runner_for, questions[0], temperatures[0], args.seed - 1, prompts[questions[0]],
+            lambda runner: runner in (services, bf16_services))
         if warmups:
             say(f"warm-up: {len(warmups)} systems ran {WARMUP_TOKENS} tokens of {questions[0].category} "
                 f"q{questions[0].question_id} once, not counted ({sum(w['seconds'] for w in warmups):.1f} s)")
