@@ -32,6 +32,18 @@ from specdec.weights import registry
 from specdec.weights.pairs import Pair
 
 
+# glibc's malloc for the services (the image's environment sets the same). Few arenas: glibc
+# otherwise keeps one per busy thread (gRPC workers), and freed KV caches linger in them as
+# RSS. Blocks up to 32 MiB (glibc's largest mmap threshold) come from the heap, which gives
+# memory back only past 1 GiB free at its top: a forward's large temporaries (18 MB for a
+# 256-token prefill chunk's gate/up on the 1.5B), mmapped anew and faulted in page by page
+# on every call, cost a 362-token prompt 170-210k page faults and up to 2.3 s of system time
+# in a VM (its first prefill after a start 5.2 s against 3.0 with these; docs/runs/faults.md).
+# The price: KV pages of ended sessions stay in RSS for the next sessions, up to that 1 GiB.
+MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+              "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
 @dataclass
 class Child:
     name: str
@@ -48,12 +60,7 @@ class Child:
     keep_standby: bool = False
 
     def _popen(self, argv: list[str], stdin=None) -> subprocess.Popen:
-        # Few malloc arenas: glibc otherwise keeps one per busy thread (gRPC workers),
-        # and freed KV caches linger in them as RSS. A fixed mmap threshold: glibc
-        # raises its own to the size of each large block freed, after which KV pages
-        # (14.7 MB for 256 tokens of the 1.5B) come from the heap and stay in RSS
-        # once their sessions end (+16% after 32 sessions at once); mmapped, they go back.
-        env = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(4 << 20), **os.environ, **self.env,
+        env = {**MALLOC_ENV, **os.environ, **self.env,
                PARENT_PID_ENV: str(os.getpid())}   # it stops when this process is gone (serving.run_until_signal)
         return subprocess.Popen([sys.executable, "-u", *argv], stdin=stdin, stdout=subprocess.PIPE, text=True, env=env)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import threading
 
 import grpc
 import psutil
@@ -9,10 +10,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import drafter.service
-from specdec.rpc.serving import channel, serve_health
+from specdec.rpc.serving import channel, serve_health, start_server
 from specdec.v1 import common_pb2, drafter_pb2_grpc
 from specdec.rpc.flags import add_settings, start_health
-from tests.conftest import free_port, rpc_error
+from tests.conftest import free_port, rpc_error, wait_for
 
 
 def test_health_port_answers_health_only_and_follows_the_service(tiny_draft):
@@ -58,4 +59,44 @@ def test_the_health_port_binds_the_services_host_unless_told_otherwise(tiny_draf
         start_health(running, args)
         assert listening_address(port) == expected
     finally:
+        running.stop(0)
+
+
+def test_a_served_call_counts_in_flight_until_it_ends_and_health_checks_do_not(tiny_draft):
+    # What a model service's background work waits on: its own API's calls, unary and streaming.
+    started, release = threading.Event(), threading.Event()
+
+    def slow(request, context):
+        started.set()
+        release.wait(10)
+        return request
+
+    def slow_stream(request, context):
+        started.set()
+        release.wait(10)
+        yield request
+
+    identity = lambda raw: raw   # noqa: E731
+    handlers = grpc.method_handlers_generic_handler("specdec.v1.Slow", {
+        "Call": grpc.unary_unary_rpc_method_handler(slow, identity, identity),
+        "Stream": grpc.unary_stream_rpc_method_handler(slow_stream, identity, identity)})
+    running = start_server(lambda server: server.add_generic_rpc_handlers((handlers,)), ["specdec.v1.Slow"],
+                           traced=False)
+    try:
+        with channel(running.address) as ch:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert running.in_flight.count == 0
+            for method, read in (("Call", lambda future: future.result()), ("Stream", list)):
+                started.clear()
+                release.clear()
+                rpc = ch.unary_unary if method == "Call" else ch.unary_stream
+                pending = rpc(f"/specdec.v1.Slow/{method}")
+                call = pending.future(b"x", timeout=10) if method == "Call" else pending(b"x", timeout=10)
+                assert started.wait(5)
+                assert running.in_flight.count == 1
+                release.set()
+                read(call)
+                assert wait_for(lambda: running.in_flight.count == 0, 5)
+    finally:
+        release.set()
         running.stop(0)

@@ -168,3 +168,35 @@ def test_a_kernel_deferred_while_serving_is_made_within_a_poll_and_the_thread_en
     stopped.set()
     thread.join(5 * warm_up.DEFERRED_POLL_S)
     assert later.state == "its weight" and kernel_state.deferred == [] and not thread.is_alive()
+
+
+def _made_within(deferred: kernel_choices.Deferred, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while deferred.state is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return deferred.state is not None
+
+
+def test_a_deferred_kernel_waits_for_open_sessions_to_end_unless_they_stay_open_past_the_patience(kernel_state):
+    # A forward arriving while a layer is made waits for it on the torch thread: a restart's
+    # first request paid that in its prefill. So a layer is made once no session is open;
+    # sessions open without a pause (sustained traffic) get it after the patience.
+    open_sessions = ["a request in flight"]
+    stopped = threading.Event()
+    thread = warm_up.prepare_deferred_kernels("test", stopped, busy=lambda: bool(open_sessions), patience_s=3600)
+    waiting = kernel_choices.Deferred(lambda: "its weight")
+    kernel_state.deferred.append(waiting)
+    assert not _made_within(waiting, 2 * warm_up.DEFERRED_POLL_S)   # past the poll that finds it: still waiting
+    open_sessions.clear()
+    assert _made_within(waiting, 10 * warm_up.DEFERRED_POLL_S)
+    stopped.set()
+    thread.join(5 * warm_up.DEFERRED_POLL_S)
+
+    stopped = threading.Event()
+    thread = warm_up.prepare_deferred_kernels("test", stopped, busy=lambda: True, patience_s=0.5)
+    sustained = kernel_choices.Deferred(lambda: "its weight")
+    kernel_state.deferred.append(sustained)
+    assert _made_within(sustained, 10 * warm_up.DEFERRED_POLL_S)
+    stopped.set()
+    thread.join(5 * warm_up.DEFERRED_POLL_S)
+    assert kernel_state.deferred == [] and not thread.is_alive()

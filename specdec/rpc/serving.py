@@ -53,6 +53,52 @@ def channel(address: str, tls: ClientTls | None = None, token: str | None = None
     return grpc.secure_channel(address, credentials, options=options)
 
 
+class CallsInFlight(grpc.ServerInterceptor):
+    """Counts the calls of the served services (`prefixes`: not health, not reflection) in
+    progress, from the handler's start to its end: work in the background (a model service's
+    kernels made while serving) waits while a request is being served."""
+
+    def __init__(self, prefixes: tuple[str, ...]):
+        self._prefixes = prefixes
+        self._lock = threading.Lock()
+        self._count = 0
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def _add(self, change: int) -> None:
+        with self._lock:
+            self._count += change
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(self._prefixes):
+            return handler
+
+        def unary(request, context):
+            self._add(1)
+            try:
+                return handler.unary_unary(request, context)
+            finally:
+                self._add(-1)
+
+        def stream(request, context):
+            self._add(1)
+            try:
+                yield from handler.unary_stream(request, context)
+            finally:
+                self._add(-1)
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer,
+                                                       handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
+                                                        handler.response_serializer)
+        return handler
+
+
 @dataclass
 class RunningServer:
     server: grpc.Server
@@ -70,6 +116,7 @@ class RunningServer:
     # Told of every change of the serving status (the coordinator's HTTP front, which has no gRPC health).
     on_serving: Callable[[bool], None] | None = None
     stopped: threading.Event = field(default_factory=threading.Event)   # set once `stop` has begun: its helpers end
+    in_flight: CallsInFlight | None = None   # the served services' calls in progress
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -111,7 +158,9 @@ def start_server(
     health checks are answered while every session is busy.
     uds: serve on this Unix domain socket instead of HOST:PORT (sidecar mode: only
     who can enter its directory can call; no TCP port at all)."""
-    interceptors = [*(telemetry.server_interceptors() if traced else []), StatusInterceptor()]
+    names = tuple(service_names)
+    in_flight = CallsInFlight(tuple(f"/{name}/" for name in names))
+    interceptors = [*(telemetry.server_interceptors() if traced else []), StatusInterceptor(), in_flight]
     if auth_token is not None:
         interceptors.insert(0, BearerTokenInterceptor(auth_token))  # refused before any work or span
     server = grpc.server(
@@ -122,7 +171,6 @@ def start_server(
     register(server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = tuple(service_names)
     reflection.enable_server_reflection(names + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     warn_if_token_in_clear(host, tls, auth_token, uds)
     address = f"unix:{uds}" if uds else f"{host}:{port}"
@@ -131,7 +179,7 @@ def start_server(
         raise OSError(f"cannot bind {address}")
     server.start()
     running = RunningServer(server, health_servicer, 0 if uds else bound, names,
-                            address if uds else f"{host}:{bound}")
+                            address if uds else f"{host}:{bound}", in_flight=in_flight)
     running.set_serving(False)
     return running
 

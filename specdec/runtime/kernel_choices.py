@@ -257,12 +257,14 @@ class Deferred:
             self.state = make()
 
 
-def prepare_deferred(run: Callable[[Callable[[], None]], None], kernel_state: KernelState | None = None) -> int:
-    """Make every deferred weight of `kernel_state` (the state in force), each through
-    `run` (the torch thread's, one layer a call, so forwards go between them); how many."""
+def prepare_deferred(run: Callable[[Callable[[], None]], None], kernel_state: KernelState | None = None,
+                     limit: int | None = None) -> int:
+    """Make the deferred weights of `kernel_state` (the state in force), at most `limit` (None:
+    all), each through `run` (the torch thread's, one layer a call, so forwards go between
+    them); how many."""
     pending = (kernel_state or state()).deferred
     done = 0
-    while pending:
+    while pending and (limit is None or done < limit):
         run(pending[0].prepare)
         if pending:          # (unless cleared meanwhile)
             pending.pop(0)   # after it is made: `pending` counts what batches still wait for (Info)

@@ -312,5 +312,6 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
                  config.max_batch_rows, config.prefill_chunk,
                  f"on ({prefix.block_tokens}-token blocks, within the pool)" if prefix else "off")
     running.set_serving(True)
-    prepare_deferred_kernels(service_name, running.stopped)
+    # Kernels left to make wait while a request is served: a call in progress, or a session open.
+    prepare_deferred_kernels(service_name, running.stopped, busy=lambda: running.in_flight.count > 0 or len(store) > 0)
     return running
