@@ -177,12 +177,12 @@ def prepare_deferred_kernels(service_name: str, stopped: threading.Event,
     warm-up; a layer first called by a request defers its own then, and is made within
     DEFERRED_POLL_S.
 
-    A layer is made while nothing is `busy` (no session open): a forward that arrives
-    meanwhile waits for the layer on the torch thread (0.3 s for a gate/up of the 1.5B
-    int4 target), which took the prefill of a restart's first request from 0.5 to 1.1 s
-    when layers were made between its forwards. Where sessions stay open for `patience_s`
-    without a pause (sustained traffic, whose batches are what these kernels are for), the
-    layers are made between their forwards."""
+    A layer is made while nothing is `busy` (no call in progress, no session open): a
+    forward that arrives meanwhile waits for the layer on the torch thread (0.1-0.5 s for a
+    gate/up of the 1.5B int4 target), and a restart's first request, made to wait between
+    its calls, had its first token at 2.0 s against 0.5. Where requests stay in flight for
+    `patience_s` without a pause (sustained traffic, whose batches are what these kernels
+    are for), the layers are made between their forwards."""
     kernel_state = kernel_choices.state()
 
     def prepare() -> None:
