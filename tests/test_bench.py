@@ -185,6 +185,29 @@ def test_each_system_is_held_to_the_greedy_output_of_its_own_stack():
     assert rows["llama-cpp"]["speedup_vs_target_only"] == 4.0
 
 
+def test_spec_auto_is_set_against_target_only_request_by_request_where_it_did_the_same_work_and_where_not():
+    from specdec_tools.bench.report import auto_by_request, markdown
+
+    def run(system, qid, seconds, temperature=0.0, turn=1, **stats):
+        return bench.Run(system, qid, "qa", temperature, 4, seconds, [1, 2, 3, 4], turn,
+                         stats=dict(rounds=stats.pop("rounds", 1), **stats))
+    runs = [run("target-only", "1", 1.0), run("spec-auto", "1", 1.25),                        # same work: 0.8
+            run("target-only", "1", 1.0, 0.7), run("spec-auto", "1", 0.8, 0.7),              # same work: 1.25
+            run("target-only", "2", 1.0), run("spec-auto", "2", 0.5, draft_tokens=3),      # drafted: 2.0
+            run("target-only", "3", 1.0), run("spec-auto", "3", 2.0, probes=[{"kind": "lookup_wait"}]),  # 0.5
+            run("target-only", "4", 1.0, rounds=4), run("spec-auto", "4", 1.0, rounds=5),  # other rounds: 1.0
+            run("target-only", "5", 9.0, turn=2), run("spec-auto", "5", 1.0, turn=2),      # second turns: not here
+            run("spec-auto", "6", 1.0)]                                                    # no twin: not here
+    got = auto_by_request(runs)
+    assert got["same_work"] == dict(requests=2, lowest=0.8, median=1.025, highest=1.25)
+    assert got["own_choices"] == dict(requests=3, lowest=0.5, median=1.0, highest=2.0)
+    meta = dict(pair="p", draft="d", target="t", questions=6, max_new_tokens=4, temperatures=[0.0], threads=1,
+                wall_s=1.0, best_gamma={}, temperature_keys=["T=0"], auto_by_request=got)
+    table = markdown([], meta)
+    assert "| target-only's work (no draft, no probe, as many rounds): the noise | 2 | 0.80x | 1.02x | 1.25x |" in table
+    assert "best fixed gamma" not in table   # no fixed γ ran
+
+
 def test_the_default_questions_are_the_dev_half_beside_the_checkout():
     import pathlib
     from specdec_tools.bench.data import DEFAULT_QUESTIONS

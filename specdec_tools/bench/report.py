@@ -81,6 +81,25 @@ def summarize(runs: list[Run], systems: list[str]) -> list[dict]:
     return rows
 
 
+def auto_by_request(runs: list[Run]) -> dict[str, dict]:
+    """spec-auto against target-only request by request (first turns), as target-only's
+    seconds over spec-auto's: where spec-auto did target-only's work (drafted nothing, took
+    no probe, as many rounds), what the machine's noise alone does to one request's ratio
+    in this run; where it drafted or probed, what its choices got. A task's ratio is a
+    pool of a few requests, so one below the first kind's lowest is more than noise."""
+    auto = {(r.question_id, r.temperature): r for r in runs if r.system == AUTO and r.turn == 1}
+    ratios: dict[str, list[float]] = defaultdict(list)
+    for base in runs:
+        mine = auto.get((base.question_id, base.temperature))
+        if base.system != TARGET_ONLY or base.turn != 1 or mine is None or mine.seconds <= 0:
+            continue
+        same = not mine.stat("draft_tokens") and not mine.stats.get("probes") and \
+            mine.stat("rounds") == base.stat("rounds")
+        ratios["same_work" if same else "own_choices"].append(base.seconds / mine.seconds)
+    return {kind: dict(requests=len(v), lowest=round(min(v), 3), median=round(statistics.median(v), 3),
+                       highest=round(max(v), 3)) for kind, v in ratios.items()}
+
+
 def best_gamma(rows: list[dict]) -> dict[str, dict[str, dict]]:
     """Per group and temperature: the fastest fixed γ, and auto's speed relative
     to it. With a replica (`--replicate-gamma`), the replica's too: it does the
@@ -144,17 +163,41 @@ def markdown(rows: list[dict], meta: dict) -> str:
                     f"{r.get('mean_accepted_length', '')} | {ngram} | {r.get('model_acceptance', '')} | "
                     f"{r.get('draft_bytes_per_token', '')} | {first} | {split} | {r.get('greedy_identical', '')} |")
             lines.append("")
+    lines += _best_gamma_lines(meta)
+    if meta.get("auto_by_request"):
+        labels = {"same_work": "target-only's work (no draft, no probe, as many rounds): the noise",
+                  "own_choices": "drafted or probed"}
+        lines += ["", "## spec-auto against target-only, request by request", "",
+                  "Each request's speed against target-only's on the same prompt and temperature. Where "
+                  "spec-auto did the same work, the spread is the machine's alone.", "",
+                  "| spec-auto | requests | lowest | median | highest |", "|---|---|---|---|---|"]
+        lines += [f"| {labels[kind]} | {v['requests']} | {v['lowest']:.2f}x | {v['median']:.2f}x | "
+                  f"{v['highest']:.2f}x |" for kind in labels if (v := meta["auto_by_request"].get(kind))]
+    if meta.get("curves"):
+        lines += ["", "## the services' cost curves at the end of the run", "",
+                  "| service | ms by rows 1, 2, 3, … | prefill ms / token |", "|---|---|---|"]
+        lines += [f"| {name} | {', '.join(f'{ms:g}' for ms in curve['forward_ms'])} | "
+                  f"{curve['prefill_ms_per_token']:g} |" for name, curve in meta["curves"].items() if name != "bound"]
+        bound = meta["curves"]["bound"]
+        lines += ["", bound[:1].upper() + bound[1:] + "."]
+    return "\n".join(lines) + "\n"
+
+
+def _best_gamma_lines(meta: dict) -> list[str]:
+    """The best fixed γ per group against auto (and the replica): none where no fixed γ ran."""
     picks, keys = meta["best_gamma"], meta["temperature_keys"]
+    if not picks:
+        return []
     replica = any("replica_vs_best" in pick for temps in picks.values() for pick in temps.values())
     fields = {"auto_vs_best": "auto / best"} | (
         {"replica_vs_best": "replica / best", "replica_vs_twin": "replica / twin"} if replica else {})
     columns = ["best fixed", *fields.values()]
-    lines += ["## best fixed gamma, and auto's speed relative to it", "",
-              "Spec-Bench tasks first (MT-bench's categories pooled), then the categories. "
-              + ("The replica repeats a fixed γ, same work and same outputs: its ratios are the noise floor. "
-                 if replica else "") + "A ratio of 0.95 or more is within 5% of the best.", "",
-              "| group | " + " | ".join(f"{k}: {c}" for k in keys for c in columns) + " |",
-              "|---|" + "---|" * (len(keys) * len(columns))]
+    lines = ["## best fixed gamma, and auto's speed relative to it", "",
+             "Spec-Bench tasks first (MT-bench's categories pooled), then the categories. "
+             + ("The replica repeats a fixed γ, same work and same outputs: its ratios are the noise floor. "
+                if replica else "") + "A ratio of 0.95 or more is within 5% of the best.", "",
+             "| group | " + " | ".join(f"{k}: {c}" for k in keys for c in columns) + " |",
+             "|---|" + "---|" * (len(keys) * len(columns))]
     tasks = [g for g in picks if g == "all" or task_of(g) == g]
     for group in tasks + [g for g in picks if g not in tasks]:
         cells = []
@@ -165,14 +208,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines.append(f"| {group} | " + " | ".join(cells) + " |")
     lines += ["", f"Within 5% of the best fixed γ, Spec-Bench tasks and temperatures: auto {meta['auto_within_5pct']}"
               + (f", replica {meta['replica_within_5pct']}" if replica else "") + "."]
-    if meta.get("curves"):
-        lines += ["", "## the services' cost curves at the end of the run", "",
-                  "| service | ms by rows 1, 2, 3, … | prefill ms / token |", "|---|---|---|"]
-        lines += [f"| {name} | {', '.join(f'{ms:g}' for ms in curve['forward_ms'])} | "
-                  f"{curve['prefill_ms_per_token']:g} |" for name, curve in meta["curves"].items() if name != "bound"]
-        bound = meta["curves"]["bound"]
-        lines += ["", bound[:1].upper() + bound[1:] + "."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def turn_summary(runs: list[Run]) -> list[dict]:

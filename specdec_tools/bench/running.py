@@ -17,8 +17,8 @@ from specdec.weights.pairs import PAIRS
 from specdec_tools.bench.data import (AUTO, AUTO_BF16, AUTO_MODEL, AUTO_NOSTOP, BF16, DEFAULT_QUESTIONS, HF_ASSISTED,
                                       HF_GENERATE, LLAMA_CPP, LLAMA_CPP_SPEC, REPLICA, Run, TARGET_ONLY, COLD,
                                       TARGET_ONLY_BF16, load_questions, task_of)
-from specdec_tools.bench.report import (best_gamma, chart, markdown, summarize, turn_markdown, turn_summary,
-                                        within)
+from specdec_tools.bench.report import (auto_by_request, best_gamma, chart, markdown, summarize, turn_markdown,
+                                        turn_summary, within)
 from specdec_tools.bench.systems import (InProcessSystems, LlamaCppSystems, ServiceSystems, chat_ids, llama_cpp_probe,
                                          service_curves)
 
@@ -253,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 temperature_keys=[f"T={t:g}" for t in temperatures], best_gamma=picks,
                 auto_within_5pct=within(picks, tasks, "auto_vs_best"),
                 replica_within_5pct=within(picks, tasks, "replica_vs_best"), curves=curves,
+                auto_by_request=auto_by_request(runs),
                 median_tokens_per_second={s: statistics.median(r.tokens_per_second for r in runs if r.system == s)
                                           for s in systems})
     args.out.mkdir(parents=True, exist_ok=True)
