@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -52,6 +53,9 @@ class Run:
     # the services' own, or those an in-process system measures (first_token_ms).
     # A statistic added to the proto reaches runs.jsonl and bench.json as it is.
     stats: dict = field(default_factory=dict)
+    # When the run ended (Unix seconds), to line a slow run up with the machine's own records
+    # (/proc/stat's steal time, other processes): the systems' ratios are noise-bound here.
+    ended_at: float = field(default_factory=time.time)
 
     @classmethod
     def of(cls, system: str, question: Question, temperature: float, token_ids: list[int], seconds: float,
