@@ -191,13 +191,14 @@ def test_spec_auto_is_set_against_target_only_request_by_request_where_it_did_th
     def run(system, qid, seconds, temperature=0.0, turn=1, **stats):
         return bench.Run(system, qid, "qa", temperature, 4, seconds, [1, 2, 3, 4], turn,
                          stats=dict(rounds=stats.pop("rounds", 1), **stats))
-    runs = [run("target-only", "1", 1.0), run("spec-auto", "1", 1.25),                        # same work: 0.8
-            run("target-only", "1", 1.0, 0.7), run("spec-auto", "1", 0.8, 0.7),              # same work: 1.25
-            run("target-only", "2", 1.0), run("spec-auto", "2", 0.5, draft_tokens=3),      # drafted: 2.0
-            run("target-only", "3", 1.0), run("spec-auto", "3", 2.0, probes=[{"kind": "lookup_wait"}]),  # 0.5
-            run("target-only", "4", 1.0, rounds=4), run("spec-auto", "4", 1.0, rounds=5),  # other rounds: 1.0
-            run("target-only", "5", 9.0, turn=2), run("spec-auto", "5", 1.0, turn=2),      # second turns: not here
-            run("spec-auto", "6", 1.0)]                                                    # no twin: not here
+    probe = [{"kind": "lookup_wait"}]
+    runs = [run("target-only", "1", 1.0), run("spec-auto", "1", 1.25),                   # same work: 0.8
+            run("target-only", "1", 1.0, 0.7), run("spec-auto", "1", 0.8, 0.7),         # same work: 1.25
+            run("target-only", "2", 1.0), run("spec-auto", "2", 0.5, draft_tokens=3),   # drafted: 2.0
+            run("target-only", "3", 1.0), run("spec-auto", "3", 2.0, probes=probe),     # probed: 0.5
+            run("target-only", "4", 1.0, rounds=4), run("spec-auto", "4", 1.0, rounds=5),  # other calls: 1.0
+            run("target-only", "5", 9.0, turn=2), run("spec-auto", "5", 1.0, turn=2),   # second turns: left out
+            run("spec-auto", "6", 1.0)]                                                 # no twin: left out
     got = auto_by_request(runs)
     assert got["same_work"] == dict(requests=2, lowest=0.8, median=1.025, highest=1.25)
     assert got["own_choices"] == dict(requests=3, lowest=0.5, median=1.0, highest=2.0)

@@ -54,7 +54,8 @@ class Run:
     # A statistic added to the proto reaches runs.jsonl and bench.json as it is.
     stats: dict = field(default_factory=dict)
     # When the run ended (Unix seconds), to line a slow run up with the machine's own records
-    # (/proc/stat's steal time, other processes): the systems' ratios are noise-bound here.
+    # (/proc/stat's steal time, other processes): on a shared machine one request's noise can
+    # exceed what separates two systems (report.auto_by_request).
     ended_at: float = field(default_factory=time.time)
 
     @classmethod
