@@ -15,7 +15,7 @@ from specdec.spec.wire import Truncation
 
 from coordinator.backends import watch_settings
 from coordinator.service import CoordinatorConfig, serve
-from coordinator.settings import add_settings
+from coordinator.settings import HttpLimits, add_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +31,8 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         drafter_timeout_s=args.drafter_timeout, watch=watch_settings(args.session_lease),
         draft_truncation=Truncation(args.draft_top_k, args.draft_top_p),
         share_prefix_cache=args.share_prefix_cache == "on",
+        http_limits=HttpLimits(args.http_max_body_bytes, args.http_header_timeout, args.http_body_timeout,
+                               args.http_max_connections, args.http_keep_alive),
         auth_token=load_token(args.auth_token_env, args.auth_token_file),
         backend_tls=ClientTls.from_args(args.backend_tls_ca, args.backend_tls_cert, args.backend_tls_key),
         backend_auth_token=load_token(args.backend_auth_token_env, args.backend_auth_token_file))

@@ -14,29 +14,31 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import hmac
 import json
 import logging
 import threading
 import time
+import uuid
 from typing import AsyncIterator, Iterator
 
 import anyio
 import grpc
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdec.rpc.errors import SpecdecError, Unavailable, public_message
+from specdec.rpc.errors import InvalidArgument, SpecdecError, Unavailable, clip, public_message
 from specdec.rpc.security import ServerTls
 
-from coordinator.openai_api import ChatRequest, CompletionRequest, Reply, error_body, to_generate
+from coordinator.http_limits import Guard, protocol_for
+from coordinator.openai_api import Reply, error_body, to_generate
+from coordinator.openai_schema import ChatRequest, CompletionRequest, http_param, parse
 from coordinator.requests import update_to_proto
+from coordinator.settings import HttpLimits
 
 log = logging.getLogger("coordinator.http")
 FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate")
-DISCONNECT_POLL_S = 0.05
 
 
 class HttpCall:
@@ -62,23 +64,44 @@ class HttpCall:
 
 
 def _error(exc: BaseException) -> JSONResponse:
+    """Any failure as OpenAI's error; an unexpected one with an error id to report,
+    its traceback in the log under it, never to the client."""
+    param = None
     if isinstance(exc, SpecdecError):
-        code, message = exc.code, str(exc)
+        code, message, param = exc.code, str(exc), http_param(exc.param)
     elif isinstance(exc, grpc.RpcError):
         code = exc.code()
         message = public_message("verifier", code, exc.details() or "")
     else:
-        log.exception("an HTTP request failed", exc_info=exc)
-        code, message = grpc.StatusCode.INTERNAL, "internal error; see the coordinator's log"
-    status, body = error_body(code, message)
+        error_id = uuid.uuid4().hex[:16]
+        log.error("an HTTP request failed (error id %s)", error_id, exc_info=exc)
+        code, message = grpc.StatusCode.INTERNAL, (f"internal error (error id {error_id}); retry, and if it "
+                                                   "persists report the error id (the coordinator's log has the "
+                                                   "details under it)")
+    status, body = error_body(code, message, param)
     return JSONResponse(body, status_code=status)
 
 
-def build_app(servicer, model: str, auth_token: str | None = None,
-              serving: threading.Event | None = None) -> FastAPI:
+def parse_body(raw: bytes, content_type: str, model: type):
+    """The request body (read whole, and bounded, by http_limits.Guard) as `model`."""
+    if not raw.strip():
+        raise InvalidArgument("the request body is empty; send a JSON object (Content-Type: application/json)")
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise InvalidArgument("the request body nests deeper than this server reads") from None
+    except ValueError as exc:   # JSONDecodeError, UnicodeDecodeError, a number of over 4300 digits
+        sent_as = "" if "json" in content_type else \
+            f" (sent as {clip(content_type or 'no Content-Type')}; send Content-Type: application/json)"
+        raise InvalidArgument(f"the request body is not JSON: {clip(str(exc), 200)[1:-1]}{sent_as}") from None
+    return parse(model, data)
+
+
+def build_app(servicer, model: str, serving: threading.Event | None = None) -> FastAPI:
     """The HTTP front over `servicer` (a CoordinatorServicer), serving `model`. While
     `serving` is clear (the verifier down, or the coordinator draining after SIGTERM),
-    new generations get 503 and /health says so; those under way go on."""
+    new generations get 503 and /health says so; those under way go on. The bearer
+    token and the limits are `http_limits.Guard`'s, in front of this app."""
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
     if serving is None:
         serving = threading.Event()
@@ -89,23 +112,15 @@ def build_app(servicer, model: str, auth_token: str | None = None,
     def decode_token(token_id: int) -> str:
         return tokenizer.decode([token_id], skip_special_tokens=False)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        status, body = error_body(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {first.get('msg', 'invalid')}",
-                                  where or None)
-        return JSONResponse(body, status_code=status)
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if auth_token and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {auth_token}".encode()):
-                status, body = error_body(grpc.StatusCode.UNAUTHENTICATED,
-                                          "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
-                return JSONResponse(body, status_code=status)
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def not_served(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: grpc.StatusCode.NOT_FOUND, 405: grpc.StatusCode.INVALID_ARGUMENT}.get(
+            exc.status_code, grpc.StatusCode.INVALID_ARGUMENT)
+        what = "no such path" if exc.status_code == 404 else f"{request.method} is not served here"
+        status, body = error_body(code, f"{what}: {request.method} {clip(request.url.path)[1:-1]}; this server "
+                                        "serves POST /v1/chat/completions, POST /v1/completions, GET /v1/models "
+                                        "and GET /health")
+        return JSONResponse(body, status_code=exc.status_code if exc.status_code in (404, 405) else status)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -118,31 +133,34 @@ def build_app(servicer, model: str, auth_token: str | None = None,
                                             "owned_by": "specdec"}]}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
-        return await _serve(body, request, chat=True)
+    async def chat(request: Request):
+        return await _serve(request, ChatRequest)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await _serve(body, request, chat=False)
+    async def completions(request: Request):
+        return await _serve(request, CompletionRequest)
 
-    async def _serve(body, request: Request, chat: bool):
-        if not serving.is_set():
-            return _error(Unavailable("the coordinator is not serving (its verifier is down, or it is shutting "
-                                      "down); retry shortly"))
+    async def _serve(request: Request, kind: type):
         try:
+            body = parse_body(await request.body(), request.headers.get("content-type", ""), kind)
+            if not serving.is_set():
+                raise Unavailable("the coordinator is not serving (its verifier is down, or it is shutting down); "
+                                  "retry shortly")
             generate = to_generate(body, model)
-        except SpecdecError as exc:
+        except Exception as exc:
             return _error(exc)
+        chat = kind is ChatRequest
         call = HttpCall(request.headers)
-        updates = servicer.updates(generate, call)
+        step = _Stepper(servicer.updates(generate, call), limiter)
         reply = Reply(chat, model, decode_token)
-        step = _Stepper(updates, limiter)
+        # From here the client may leave at any time, the prefill included: the watcher ends the generation.
+        step.watcher = watcher = asyncio.create_task(_watch_disconnect(request.receive, call, step))  # held
         try:
             first = await step.next()   # admission, validation and the prefill: errors as statuses
         except BaseException as exc:
+            watcher.cancel()
             await step.close()
             return _error(exc)
-        step.watcher = watcher = asyncio.create_task(_watch_disconnect(request, call, step))  # held: not collected
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_events(first, step, reply, call, include_usage, generate.logprobs),
@@ -185,16 +203,15 @@ class _Stepper:
                     await anyio.to_thread.run_sync(self.context.run, self.updates.close, limiter=self.limiter)
 
 
-async def _watch_disconnect(request: Request, call: HttpCall, step: "_Stepper") -> None:
-    """Until the response is done: a client gone tells the engine (it stops within a
-    round) and ends the generation. A stream's consumer that stops on a disconnect
-    leaves its generator suspended, so waiting for that to be closed is not enough."""
-    while not call.gone.is_set() and not step.closed:
-        if await request.is_disconnected():
-            call.gone.set()
-            await step.close()
-            return
-        await asyncio.sleep(DISCONNECT_POLL_S)
+async def _watch_disconnect(receive, call: HttpCall, step: "_Stepper") -> None:
+    """Until the response is done (then cancelled): the client gone tells the engine
+    (it stops within a round) and ends the generation, its sessions with it. Waits on
+    the connection itself (after the body, its next message is the disconnect), so a
+    non-stream request's client that leaves is seen at once, not at the next poll."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    call.gone.set()
+    await step.close()
 
 
 async def _whole(first, step: _Stepper, reply: Reply, logprobs: bool) -> dict:
@@ -241,11 +258,14 @@ async def _events(first, step: _Stepper, reply: Reply, call: HttpCall, include_u
 
 
 class HttpFront:
-    """uvicorn serving the app on a thread of its own, until `stop`."""
+    """uvicorn serving the app on a thread of its own, until `stop`, behind the
+    limits' guard and protocol (coordinator.http_limits)."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, tls: ServerTls | None = None) -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=5, lifespan="off",
+    def __init__(self, app: FastAPI, host: str, port: int, tls: ServerTls | None = None,
+                 limits: HttpLimits = HttpLimits(), auth_token: str | None = None) -> None:
+        config = uvicorn.Config(Guard(app, limits, auth_token), host=host, port=port, log_level="warning",
+                                access_log=False, timeout_graceful_shutdown=5, lifespan="off",
+                                http=protocol_for(limits), timeout_keep_alive=limits.keep_alive_s,
                                 ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="http-front", daemon=True)

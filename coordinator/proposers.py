@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from specdec.rpc.errors import InvalidArgument
+from specdec.rpc.errors import InvalidArgument, clip
 from specdec.spec.proposers import MODEL, SOURCES, names
 from specdec.spec.proposers.drafts import Drafts
 from specdec.spec.proposers.model import ModelProposer
@@ -50,8 +50,8 @@ def checked_sources(asked) -> tuple[str, ...]:
     asked = tuple(asked)
     unknown = [name for name in asked if name not in names()]
     if unknown or len(set(asked)) != len(asked):
-        raise InvalidArgument(f"speculation.sources={list(asked)}: name each source once, from "
-                              f"{', '.join(names())}")
+        raise InvalidArgument(f"speculation.sources={clip(list(asked))}: name each source once, from "
+                              f"{', '.join(names())}", "speculation.sources")
     return asked
 
 

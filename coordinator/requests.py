@@ -7,7 +7,7 @@ import hashlib
 
 from dataclasses import dataclass
 
-from specdec.rpc.errors import InvalidArgument
+from specdec.rpc.errors import InvalidArgument, clip
 from specdec.spec.limits import MAX_TOP_LOGPROBS, validate_token_ids
 from specdec.v1 import coordinator_pb2
 from specdec.spec.wire import sampling_from_proto
@@ -59,7 +59,7 @@ def encode_within(tokenizer, text: str, room: int, limits: Limits, add_special_t
         return InvalidArgument(
             f"the prompt ({len(text):,} characters, at least {at_least:,} tokens) does not fit the {room:,} tokens "
             f"the target's context window ({limits.max_context}) leaves after max_new_tokens; shorten the prompt "
-            "or lower max_new_tokens")
+            "or lower max_new_tokens", "prompt")
     # 1. By its length alone: no token stands for more than max_token_chars characters.
     if len(text) > room * limits.max_token_chars:
         raise refuse(-(-len(text) // limits.max_token_chars))
@@ -80,37 +80,39 @@ def check_chat_size(messages, room: int, limits: Limits) -> None:
     300,000 messages took 1.2 s, and held up other requests meanwhile): a
     template writes each message's content, and at least one token for each."""
     if len(messages) > MAX_CHAT_MESSAGES:
-        raise InvalidArgument(f"messages has {len(messages):,} entries; at most {MAX_CHAT_MESSAGES:,} are taken")
+        raise InvalidArgument(f"messages has {len(messages):,} entries; at most {MAX_CHAT_MESSAGES:,} are taken",
+                              "messages")
     if len(messages) > room:
         raise InvalidArgument(
             f"messages has {len(messages):,} entries, at least a token each, which does not fit the {room:,} tokens "
             f"the target's context window ({limits.max_context}) leaves after max_new_tokens; send fewer messages "
-            "or lower max_new_tokens")
+            "or lower max_new_tokens", "messages")
     chars = sum(len(m.content) for m in messages)
     if chars > room * limits.max_token_chars:
         raise InvalidArgument(
             f"the messages' contents ({chars:,} characters, at least {-(-chars // limits.max_token_chars):,} "
             f"tokens) do not fit the {room:,} tokens the target's context window ({limits.max_context}) leaves "
-            "after max_new_tokens; shorten the conversation or lower max_new_tokens")
+            "after max_new_tokens; shorten the conversation or lower max_new_tokens", "messages")
 
 
 def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limits, room: int) -> list[int]:
     """The prompt's token ids; `room` is how many tokens the context leaves for it."""
     kind = request.WhichOneof("input")
     if kind is None:
-        raise InvalidArgument("set one of prompt, messages or token_ids")
+        raise InvalidArgument("set one of prompt, messages or token_ids", "prompt")
     if kind == "prompt":
         if not request.prompt:
-            raise InvalidArgument("prompt is empty")
+            raise InvalidArgument("prompt is empty", "prompt")
         ids = encode_within(tokenizer, request.prompt, room, limits)
     elif kind == "messages":
         messages = request.messages.messages
         if not messages:
-            raise InvalidArgument("messages is empty")
+            raise InvalidArgument("messages is empty", "messages")
         check_chat_size(messages, room, limits)
         for i, m in enumerate(messages):
             if m.role not in CHAT_ROLES:
-                raise InvalidArgument(f"messages[{i}].role is {m.role!r}; expected one of {', '.join(CHAT_ROLES)}")
+                raise InvalidArgument(f"messages[{i}].role is {clip(m.role)}; expected one of {', '.join(CHAT_ROLES)}",
+                                      f"messages[{i}].role")
         if tokenizer.chat_template is None:
             raise InvalidArgument("the target model's tokenizer has no chat template; send prompt or token_ids")
         text = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
@@ -119,10 +121,10 @@ def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limi
     else:
         ids = list(request.token_ids.ids)
         if not ids:
-            raise InvalidArgument("token_ids is empty")
+            raise InvalidArgument("token_ids is empty", "token_ids")
         validate_token_ids(ids, limits.vocab_size, "token_ids")
     if not ids:
-        raise InvalidArgument("the prompt tokenizes to no tokens")
+        raise InvalidArgument("the prompt tokenizes to no tokens", "prompt")
     return ids
 
 
@@ -131,20 +133,20 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
     sampling = sampling_from_proto(request.sampling)
     max_new = request.max_new_tokens if request.HasField("max_new_tokens") else limits.default_max_new_tokens
     if max_new <= 0:
-        raise InvalidArgument(f"max_new_tokens must be > 0, got {max_new}")
+        raise InvalidArgument(f"max_new_tokens must be > 0, got {max_new}", "max_new_tokens")
     if max_new >= limits.max_context:
         raise InvalidArgument(
             f"max_new_tokens ({max_new}) exceeds the target's context window ({limits.max_context}), leaving "
-            "no room for a prompt; lower max_new_tokens")
+            "no room for a prompt; lower max_new_tokens", "max_new_tokens")
     ids = prompt_ids(request, tokenizer, limits, limits.max_context - max_new)
     if len(ids) + max_new > limits.max_context:
         raise InvalidArgument(
             f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the target's context window "
-            f"({limits.max_context}); shorten the prompt or lower max_new_tokens")
+            f"({limits.max_context}); shorten the prompt or lower max_new_tokens", "max_new_tokens")
     stop = tuple(request.stop)
     if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
         raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of up to "
-                              f"{MAX_STOP_CHARS} characters")
+                              f"{MAX_STOP_CHARS} characters", "stop")
     enabled = not request.speculation.HasField("enabled") or request.speculation.enabled
     gamma, adaptive, free_only = 0, False, False  # target-only, asked for or: this coordinator has no proposer
     if enabled and speculation_available:
@@ -162,17 +164,19 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
             gamma, adaptive = min(limits.gamma_max, limits.max_propose_tokens), True
         if gamma > limits.max_propose_tokens:
             raise InvalidArgument(f"speculation.gamma={gamma} is over the proposer's limit of "
-                                  f"{limits.max_propose_tokens}")
+                                  f"{limits.max_propose_tokens}", "speculation.gamma")
     if request.speculation.proposer not in PROPOSER_KINDS:
-        raise InvalidArgument(f"speculation.proposer={request.speculation.proposer} is not a ProposerKind")
+        raise InvalidArgument(f"speculation.proposer={request.speculation.proposer} is not a ProposerKind",
+                              "speculation.proposer")
     confidence_stop = adaptive and (not request.speculation.HasField("confidence_stop")
                                     or request.speculation.confidence_stop)
     if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidArgument(f"cache_salt has {len(request.cache_salt)} characters; at most "
-                              f"{MAX_CACHE_SALT_CHARS} (a hash of what should keep caches apart is enough)")
+                              f"{MAX_CACHE_SALT_CHARS} (a hash of what should keep caches apart is enough)",
+                              "cache_salt")
     if request.top_logprobs > MAX_TOP_LOGPROBS or (request.top_logprobs and not request.logprobs):
         raise InvalidArgument(f"top_logprobs={request.top_logprobs}: at most {MAX_TOP_LOGPROBS}, and only with "
-                              "logprobs set")
+                              "logprobs set", "top_logprobs")
     # The frequency and presence penalties count output tokens only: from the prompt's end on,
     # in both model services' sessions (each holds the prompt's ids, then the output's).
     sampling = dataclasses.replace(sampling, penalty_start=len(ids))

@@ -32,7 +32,7 @@ from coordinator.gamma import Acceptance, CostModel
 from coordinator.gamma.bound import describe as describe_bound, fixed_gamma
 from coordinator.metrics import Metrics
 from coordinator.proposers import KINDS, build, needs_drafter
-from coordinator.settings import DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P
+from coordinator.settings import DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P, HttpLimits
 from coordinator.requests import (Limits, max_token_chars, prefix_salt, request_attributes, response_attributes,
                                   to_domain, update_to_proto)
 
@@ -62,6 +62,7 @@ class CoordinatorConfig:
     connect_timeout_s: float = 300.0
     metrics_port: int | None = None  # Prometheus /metrics on this port (0 picks one); None = off
     http_port: int | None = None     # the OpenAI-compatible HTTP front on this port (0 picks one); None = off
+    http_limits: HttpLimits = HttpLimits()  # its body size, time and connection limits
     max_sessions: int = 64           # Generate calls served at once; beyond, RESOURCE_EXHAUSTED
     max_message_bytes: int = MAX_PUBLIC_MESSAGE_BYTES
     tls: ServerTls | None = None     # the public port's TLS (mutual with tls.client_ca)
@@ -325,8 +326,8 @@ def serve(config: CoordinatorConfig, host: str = "127.0.0.1", port: int = 0) -> 
         from coordinator.http_server import HttpFront, build_app
         serving = threading.Event()   # follows the gRPC health status: down with the verifier, and on SIGTERM
         running.on_serving = lambda up: serving.set() if up else serving.clear()
-        front = HttpFront(build_app(servicer, backends.target_info.model, config.auth_token, serving), host,
-                          config.http_port, config.tls)
+        front = HttpFront(build_app(servicer, backends.target_info.model, serving), host, config.http_port,
+                          config.tls, config.http_limits, config.auth_token)
         running.http_port = front.port
         running.on_stop = front.stop   # after the drain: the requests under way have ended
         log.info("OpenAI-compatible HTTP API on http%s://%s:%d/v1", "s" if config.tls else "", host, front.port)

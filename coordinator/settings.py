@@ -6,6 +6,7 @@ the CLI's client side reads it too."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from specdec.rpc import flags
 from specdec.rpc.flags import Setting, shared
@@ -16,6 +17,19 @@ from specdec.spec.proposers import names as source_names
 
 PROPOSER_CHOICES = tuple(KINDS)  # who drafts: coordinator.proposers
 DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P = 256, 0.99  # the draft support sent when sampling
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """The HTTP front's limits (coordinator.http_limits); the flags below default to these."""
+    max_body_bytes: int = MAX_PUBLIC_MESSAGE_BYTES   # as gRPC's largest message
+    header_timeout_s: float = 10.0   # a request's headers, from the connection's start or its first byte
+    body_timeout_s: float = 30.0     # a request's whole body, from the end of its headers
+    max_connections: int = 1024      # open at once, kept-alive ones included
+    keep_alive_s: float = 5.0        # an idle kept-alive connection is closed after this (uvicorn's default)
+
+
+HTTP = HttpLimits()
 
 
 def parse_gamma(value: str) -> int | None:
@@ -71,6 +85,22 @@ SETTINGS: tuple[Setting, ...] = (
     S("--http-port", dict(type=int, help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
                                          "/v1/completions, /v1/models, /health) on this port, beside gRPC (0 picks "
                                          "one; off unless set)"), up=True, chart=True),
+    S("--http-max-body-bytes", dict(type=int, default=HTTP.max_body_bytes,
+                                    help="largest HTTP request body; beyond, 413 (as gRPC's --max-message-bytes)"),
+      up=True, chart=True, values="httpMaxBodyBytes"),
+    S("--http-header-timeout", dict(type=float, default=HTTP.header_timeout_s,
+                                    help="seconds an HTTP request's headers may take to arrive, from the "
+                                         "connection's start or the request's first byte; beyond, 408 and closed"),
+      up=True, chart=True, values="httpHeaderTimeoutSeconds"),
+    S("--http-body-timeout", dict(type=float, default=HTTP.body_timeout_s,
+                                  help="seconds an HTTP request's whole body may take to arrive; beyond, 408"),
+      up=True, chart=True, values="httpBodyTimeoutSeconds"),
+    S("--http-max-connections", dict(type=int, default=HTTP.max_connections,
+                                     help="HTTP connections open at once; beyond, 503 and closed"),
+      up=True, chart=True, values="httpMaxConnections"),
+    S("--http-keep-alive", dict(type=float, default=HTTP.keep_alive_s,
+                                help="seconds an idle kept-alive HTTP connection stays open"),
+      up=True, chart=True, values="httpKeepAliveSeconds"),
     S("--connect-timeout", dict(type=float, default=300.0,
                                 help="seconds to wait for the drafter and verifier to be SERVING"), chart=True,
       values="connectTimeoutSeconds"),

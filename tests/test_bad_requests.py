@@ -52,6 +52,13 @@ BAD_GENERATE = {
     "NaN top_p": (pb.GenerateRequest(prompt="hi", sampling=sampling(temperature=1, top_p=math.nan)), "top_p"),
     "empty role": (pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="", content="x")])),
                    "messages[0].role is ''"),
+    # A long bad string is echoed clipped, its length said: whole, it overflowed gRPC's 16 KB
+    # metadata and came back as RESOURCE_EXHAUSTED.
+    "a 1 MB role": (pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="r" * 2**20,
+                                                                                          content="x")])),
+                    "... (1,048,576 characters); expected one of system"),
+    "a 1 MB draft source": (pb.GenerateRequest(prompt="hi", speculation=pb.Speculation(sources=["s" * 2**20])),
+                            "characters as text): name each source once"),
     # Refused by their size before the chat template runs (its own errors would read otherwise).
     "too many messages": (pb.GenerateRequest(messages=pb.ChatMessages(
         messages=[pb.ChatMessage(role="user", content="hi")] * 5000)), "messages has 5,000 entries; at most 4,096"),
@@ -92,6 +99,7 @@ def test_bad_generate_requests(stack, name):
         error = rpc_error(call, request, timeout=30)
         assert error.code() == INVALID, (name, error.details())
         assert message in error.details(), (name, error.details())
+        assert len(error.details()) < 1000, (name, len(error.details()))
     assert_healthy_and_empty(stack)
 
 

@@ -128,24 +128,29 @@ def test_plain_http_streams_server_sent_events_to_done(front):
     assert all(e["object"] == "text_completion" for e in events)
 
 
-@pytest.mark.parametrize("kwargs, error, says", [
-    (dict(n=2), openai.BadRequestError, "n=2"),
-    (dict(model="gpt-4o"), openai.NotFoundError, "gpt-4o"),
-    (dict(frequency_penalty=2.5), openai.BadRequestError, "frequency_penalty must be in"),
-    (dict(max_tokens=0), openai.BadRequestError, "max_tokens=0"),
+@pytest.mark.parametrize("kwargs, error, says, param", [
+    (dict(n=2), openai.BadRequestError, "n: is not supported by this server (only 1", "n"),
+    (dict(model="gpt-4o"), openai.NotFoundError, "gpt-4o", "model"),
+    (dict(frequency_penalty=2.5), openai.BadRequestError, "frequency_penalty must be in", "frequency_penalty"),
+    (dict(max_tokens=0), openai.BadRequestError, "max_tokens: Input should be greater than or equal to 1",
+     "max_tokens"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), openai.BadRequestError,
-     "tools"),
-    (dict(top_logprobs=21, logprobs=True), openai.BadRequestError, "top_logprobs"),
-    (dict(extra_body={"speculation": {"proposer": "oracle"}}), openai.BadRequestError, "proposer"),
-    (dict(extra_body={"speculation": {"sources": ["eagle"]}}), openai.BadRequestError, "from ngram, model"),
-    (dict(messages=[]), openai.BadRequestError, "messages"),
+     "tools: is not supported", "tools"),
+    (dict(top_logprobs=21, logprobs=True), openai.BadRequestError, "top_logprobs", "top_logprobs"),
+    (dict(extra_body={"speculation": {"proposer": "oracle"}}), openai.BadRequestError, "proposer",
+     "speculation.proposer"),
+    (dict(extra_body={"speculation": {"sources": ["eagle"]}}), openai.BadRequestError, "from ngram, model",
+     "speculation.sources"),
+    (dict(messages=[]), openai.BadRequestError, "messages", "messages"),
+    (dict(extra_body={"min_p": 0.05}), openai.BadRequestError, "min_p", "min_p"),
 ])
-def test_bad_requests_raise_the_clients_exception_with_the_reason(client, kwargs, error, says):
+def test_bad_requests_raise_the_clients_exception_with_the_reason(client, kwargs, error, says, param):
     request = dict(model=model_name(client), messages=MESSAGES, max_tokens=4) | kwargs
     with pytest.raises(error) as raised:
         client.chat.completions.create(**request)
     body = raised.value.body
     assert says in body["message"] and body["type"] in ("invalid_request_error", "not_found_error"), body
+    assert body["param"] == param, body
 
 
 def test_while_not_serving_new_requests_get_503_and_health_says_so(front, client):
@@ -208,7 +213,9 @@ def test_a_client_that_goes_away_frees_its_sessions(front):
     def active() -> int:
         with channel(f"127.0.0.1:{front.verifier_port}") as ch:
             return verifier_pb2_grpc.VerifierStub(ch).Info(common_pb2.InfoRequest(), timeout=10).active_sessions
-    request = {"messages": MESSAGES, "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    # Target-only, a verifier step a token: the stream must not be over before the client's
+    # first line (the server writes ahead into the socket's buffers).
+    request = {"messages": MESSAGES, "max_tokens": 900, "temperature": 0, "ignore_eos": True, **TARGET_ONLY}
     started = time.monotonic()
     httpx.post(front.base_url + "/chat/completions", json=request, timeout=120).raise_for_status()
     whole_s = time.monotonic() - started          # what the request takes when the client stays

@@ -115,6 +115,7 @@ def test_every_measurement_script_imports():
     for path in paths:
         spec = importlib.util.spec_from_file_location(f"{path.parent.name}_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module   # as importlib's recipe does: dataclasses look their module up
         sys.path.insert(0, str(path.parent))
         try:
             spec.loader.exec_module(module)   # defines main(); runs nothing under __main__

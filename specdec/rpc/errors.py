@@ -17,7 +17,13 @@ log = logging.getLogger(__name__)
 
 
 class SpecdecError(Exception):
+    """`param`: the request field at fault, as the gRPC API names it (the HTTP front
+    reports it in OpenAI's `error.param`); None where no one field is."""
     code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class InvalidArgument(SpecdecError):
@@ -67,6 +73,24 @@ TRANSPORT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERN
                              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 
 
+ECHO_CHARS = 48          # of a client's own input, what an error message repeats ...
+MAX_STATUS_CHARS = 4096  # ... and the most any status message or its log line carries (gRPC's metadata: 16 KB)
+
+
+def clip(value: object, limit: int = ECHO_CHARS) -> str:
+    """`value` as an error message may echo it: its repr, cut to `limit` characters
+    with its length said (a 3 MB role echoed whole overflowed gRPC's 16 KB metadata,
+    which turned INVALID_ARGUMENT into RESOURCE_EXHAUSTED, and filled the log)."""
+    try:
+        text = repr(value)
+    except RecursionError:   # a JSON value nested deeper than repr goes
+        return f"<a {type(value).__name__} nested too deep to show>"
+    if len(text) <= limit:
+        return text
+    size = f"{len(value):,} characters" if isinstance(value, str) else f"{len(text):,} characters as text"
+    return f"{text[:limit]}... ({size})"
+
+
 def unavailable_message(service: str) -> str:
     """The one text a client sees when `service` is down, at the start or mid-stream."""
     return f"the {service} is unavailable; retry shortly"
@@ -105,6 +129,8 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> No
         return context.abort(grpc.StatusCode.INTERNAL,  # (abort raises: the call ends here)
                              f"internal error (error id {error_id}): the service failed on this call; retry, "
                              "and if it persists report the error id (the service's log has the details under it)")
+    if len(message) > MAX_STATUS_CHARS:   # a backstop: messages clip what they echo (clip)
+        message = message[:MAX_STATUS_CHARS] + f"... ({len(message):,} characters)"
     if code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method)
     else:

@@ -12,4 +12,4 @@ MAX_PROPOSE_TOKENS = 32  # draft tokens one round may carry (a lookup's and the 
 def validate_token_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
     bad = next((t for t in ids if t >= vocab_size), None)
     if bad is not None:
-        raise InvalidArgument(f"{what} contains token id {bad}, outside the vocabulary (0..{vocab_size - 1})")
+        raise InvalidArgument(f"{what} contains token id {bad}, outside the vocabulary (0..{vocab_size - 1})", what)

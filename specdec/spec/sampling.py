@@ -50,24 +50,24 @@ class SamplingConfig:
         """Raise InvalidArgument with a message a person can act on."""
         t, p, k, r = self.temperature, self.top_p, self.top_k, self.repetition_penalty
         if not math.isfinite(t) or t < 0:
-            raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
+            raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy), got {t}", "temperature")
         if 0 < t < MIN_SCALE:
             raise InvalidArgument(f"temperature {t:g} is below the smallest one taken ({MIN_SCALE:.4g}, the smallest "
-                                  "normal float32); send 0 for greedy decoding")
+                                  "normal float32); send 0 for greedy decoding", "temperature")
         if not math.isfinite(p) or not 0.0 < p <= 1.0:
-            raise InvalidArgument(f"top_p must be in (0, 1], got {p}")
+            raise InvalidArgument(f"top_p must be in (0, 1], got {p}", "top_p")
         if k < 0 or k > MAX_TOP_K:
-            raise InvalidArgument(f"top_k must be between 0 (off) and {MAX_TOP_K}, got {k}")
+            raise InvalidArgument(f"top_k must be between 0 (off) and {MAX_TOP_K}, got {k}", "top_k")
         if not math.isfinite(r) or r <= 0:
-            raise InvalidArgument(f"repetition_penalty must be a finite number > 0 (1 = off), got {r}")
+            raise InvalidArgument(f"repetition_penalty must be a finite number > 0 (1 = off), got {r}", "repetition_penalty")
         if r < MIN_SCALE:
             raise InvalidArgument(f"repetition_penalty {r:g} is below the smallest one taken ({MIN_SCALE:.4g}, the "
-                                  "smallest normal float32)")
+                                  "smallest normal float32)", "repetition_penalty")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not math.isfinite(value) or not -MAX_ADDITIVE_PENALTY <= value <= MAX_ADDITIVE_PENALTY:
                 raise InvalidArgument(f"{name} must be in [-{MAX_ADDITIVE_PENALTY:g}, {MAX_ADDITIVE_PENALTY:g}] "
-                                      f"(0 = off), got {value}")
+                                      f"(0 = off), got {value}", name)
         if self.penalty_start < 0:
             raise InvalidArgument(f"penalty_start must be >= 0, got {self.penalty_start}")
         return self

@@ -46,6 +46,21 @@
 {{- if and (hasKey . "maxNewTokens") (not (kindIs "invalid" .maxNewTokens)) }}
 - {{ printf "--max-new-tokens=%v" (.maxNewTokens | int) | quote }}
 {{- end }}
+{{- if and (hasKey . "httpMaxBodyBytes") (not (kindIs "invalid" .httpMaxBodyBytes)) }}
+- {{ printf "--http-max-body-bytes=%v" (.httpMaxBodyBytes | int) | quote }}
+{{- end }}
+{{- if and (hasKey . "httpHeaderTimeoutSeconds") (not (kindIs "invalid" .httpHeaderTimeoutSeconds)) }}
+- {{ printf "--http-header-timeout=%v" .httpHeaderTimeoutSeconds | quote }}
+{{- end }}
+{{- if and (hasKey . "httpBodyTimeoutSeconds") (not (kindIs "invalid" .httpBodyTimeoutSeconds)) }}
+- {{ printf "--http-body-timeout=%v" .httpBodyTimeoutSeconds | quote }}
+{{- end }}
+{{- if and (hasKey . "httpMaxConnections") (not (kindIs "invalid" .httpMaxConnections)) }}
+- {{ printf "--http-max-connections=%v" (.httpMaxConnections | int) | quote }}
+{{- end }}
+{{- if and (hasKey . "httpKeepAliveSeconds") (not (kindIs "invalid" .httpKeepAliveSeconds)) }}
+- {{ printf "--http-keep-alive=%v" .httpKeepAliveSeconds | quote }}
+{{- end }}
 {{- if and (hasKey . "connectTimeoutSeconds") (not (kindIs "invalid" .connectTimeoutSeconds)) }}
 - {{ printf "--connect-timeout=%v" .connectTimeoutSeconds | quote }}
 {{- end }}
