@@ -9,7 +9,8 @@ whose headers never ended open for good. Here:
   body read whole before the app sees it, refused past `max_body_bytes` (413,
   without buffering it: a declared length is refused at once, a chunked body as
   it passes the limit, and the rest is read and dropped so the client hears the
-  answer) or when it takes longer than `body_timeout_s` (408); any exception the
+  answer) or when it takes longer than `body_timeout_s` (408), and no more than
+  BODIES_HELD bodies' worth held at once (503); any exception the
   app lets out becomes a 500 in OpenAI's shape with an error id, never a traceback.
 - `LimitedH11`, uvicorn's h11 protocol with a deadline for each request's headers
   (`header_timeout_s`, from the connection's start or the last response: 408 and
@@ -35,6 +36,7 @@ from coordinator.openai_api import error_body
 from coordinator.settings import HttpLimits
 
 log = logging.getLogger("coordinator.http")
+BODIES_HELD = 32   # largest bodies the front holds at once (what a request's generation does not need long)
 
 
 def error_response(status: int, kind: str, message: str, param: str | None = None) -> bytes:
@@ -61,6 +63,9 @@ class Guard:
 
     def __init__(self, app, limits: HttpLimits, auth_token: str | None = None) -> None:
         self.app, self.limits, self.auth_token = app, limits, auth_token
+        # Bodies held at once, read or being read, until their requests end: bounded, so a
+        # thousand connections each sending its 4 MiB cannot take 4 GB (503 past it).
+        self.budget, self.buffered = BODIES_HELD * limits.max_body_bytes, 0
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -103,7 +108,10 @@ class Guard:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            self.buffered -= len(body)
 
     async def _body(self, headers: dict, receive, send) -> bytes | None:
         """The whole body, or None once the client has been answered (or has left)."""
@@ -118,28 +126,41 @@ class Guard:
             await self._drain(receive)
             await send_json(send, 413, too_large(f"{int(declared):,} bytes"), close=True)
             return None
-        chunks, size = [], 0
+        chunks, size, whole, refusal = [], 0, False, None
         try:
             with anyio.fail_after(self.limits.body_timeout_s):
-                while True:
+                while refusal is None:
                     message = await receive()
                     if message["type"] == "http.disconnect":
                         return None
                     chunk = message.get("body", b"")
                     size += len(chunk)
+                    self.buffered += len(chunk)
                     if size > limit:
-                        await self._drain(receive)
-                        await send_json(send, 413, too_large(f"over {limit:,} bytes, sent in chunks"), close=True)
-                        return None
-                    chunks.append(chunk)
-                    if not message.get("more_body", False):
+                        refusal = 413, too_large(f"over {limit:,} bytes, sent in chunks")
+                    elif self.buffered > self.budget:
+                        refusal = error_body(grpc.StatusCode.UNAVAILABLE, f"this server holds {self.budget:,} bytes "
+                                             "of request bodies at once, its limit; retry shortly")
+                    elif not message.get("more_body", False):
+                        chunks.append(chunk)
+                        whole = True
                         return b"".join(chunks)
+                    else:
+                        chunks.append(chunk)
         except TimeoutError:
             await send_json(send, 408, {"error": {
                 "message": f"the request body did not arrive within {self.limits.body_timeout_s:g} s "
                            "(--http-body-timeout)", "type": "invalid_request_error", "param": None,
                 "code": "request_timeout"}}, close=True)
             return None
+        finally:
+            if not whole:   # else released once the app is done with it (_guarded)
+                self.buffered -= size
+        chunks.clear()
+        if refusal[0] == 413:   # the client hears it rather than a reset; nothing more is held
+            await self._drain(receive)
+        await send_json(send, *refusal, close=True)
+        return None
 
     async def _drain(self, receive) -> None:
         """Read and drop what is left of a refused body, so the client, still sending,

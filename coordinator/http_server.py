@@ -5,10 +5,13 @@
 FastAPI on uvicorn, in a thread of the coordinator's process, calling the same
 servicer as `Generate` (admission, limits, speculation, traces, metrics: all one
 path). The servicer's calls are synchronous, so each request's generation runs
-on a worker thread, one `next()` at a time; a client that disconnects is told to
-the engine, which stops within a round and ends both sessions. Errors come in
-OpenAI's shape with the status `openai_api.HTTP_STATUS` maps the gRPC code to;
-the bearer token is the gRPC API's.
+on a worker thread, one `next()` at a time; a client that disconnects, streaming
+or not, is told to the engine, which stops within a round and ends both sessions.
+A body is checked whole (coordinator.openai_schema) before anything reaches a
+proto. Errors come in OpenAI's shape with the status `openai_api.HTTP_STATUS`
+maps the gRPC code to, `param` naming the field at fault; the bearer token is the
+gRPC API's. The limits on size, time and connections, and the last word on any
+error, are coordinator.http_limits', in front of this app.
 """
 from __future__ import annotations
 

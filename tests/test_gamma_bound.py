@@ -36,6 +36,15 @@ def test_the_break_even_acceptance_is_where_the_best_gamma_reaches_one():
         assert best_speedup(curve, draft_ms, alpha - 0.002)[0] < 1.0
 
 
+def test_a_one_row_step_dearer_than_more_rows_never_promises_more_than_a_row_a_draft():
+    """A curve timed while other processes held the cores: one row 8.1 ms, sixteen 6.5. The
+    bound prices target-only at the least point, so a perfect draft of γ gives at most γ + 1."""
+    noisy = [8.1, 47.1, 54.3] + [30.0] * 12 + [6.5]
+    ceiling, gamma = best_speedup(noisy)
+    assert ceiling == pytest.approx(16.0) and gamma == 15       # (γ + 1) · 6.5 / 6.5, not 16 · 8.1 / 6.5
+    assert speedup(noisy, 2) == pytest.approx(3 * 6.5 / 54.3)
+
+
 def test_past_the_curve_the_rows_follow_its_extrapolation_only_when_asked():
     curve = [10.0, 11.0, 12.0]
     assert best_speedup(curve)[1] <= 2                           # the rows measured: γ + 1 <= 3

@@ -151,6 +151,30 @@ def test_a_body_over_the_limit_gets_413_without_being_held(small):
     assert within.status_code == 200
 
 
+def test_bodies_held_at_once_are_bounded(services):
+    """Connections each holding most of a largest body, unfinished: past BODIES_HELD
+    bodies' worth, 503 at once; the rest wait for their body's time limit (408)."""
+    from coordinator.http_limits import BODIES_HELD
+    limits = HttpLimits(max_body_bytes=SMALL.max_body_bytes, body_timeout_s=1.0)
+    part = SMALL.max_body_bytes - 1024
+    socks = []
+    with served_coordinator(drafter=services[0], verifier=services[1], http_port=0, http_limits=limits) as small:
+        small.url = f"http://127.0.0.1:{small.running.http_port}"
+        try:
+            for _ in range(BODIES_HELD + 8):
+                sock = socket.create_connection(("127.0.0.1", small.running.http_port))
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n" % SMALL.max_body_bytes + b" " * part)
+                socks.append(sock)
+            answers = [read_answer(sock, 5)[:12] for sock in socks]
+        finally:
+            for sock in socks:
+                sock.close()
+        assert answers.count(b"HTTP/1.1 503") >= 1, answers
+        assert set(answers) <= {b"HTTP/1.1 503", b"HTTP/1.1 408"}, answers
+        assert httpx.post(small.url + COMPLETIONS, json=http_probe.comp(), timeout=30).status_code == 200
+
+
 def read_answer(sock: socket.socket, within_s: float) -> bytes:
     sock.settimeout(within_s)
     answer = b""

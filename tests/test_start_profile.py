@@ -53,11 +53,48 @@ def test_a_kernel_backend_installed_or_upgraded_since_a_start_is_timed_at_the_ne
     assert path() == path()
 
 def test_a_profile_holds_while_a_decode_step_takes_what_it_did():
-    profile = start_profile.StartProfile(CostCurve([30.0], 1.0))
-    assert start_profile.holds(profile, 36.0) and start_profile.holds(profile, 24.0)
-    assert not start_profile.holds(profile, 45.0) and not start_profile.holds(profile, 15.0)
-    tiny = start_profile.StartProfile(CostCurve([0.3], 0.01))
+    curve = CostCurve([30.0], 1.0)
+    assert start_profile.holds(curve, 36.0) and start_profile.holds(curve, 24.0)
+    assert not start_profile.holds(curve, 45.0) and not start_profile.holds(curve, 15.0)
+    tiny = CostCurve([0.3], 0.01)
     assert start_profile.holds(tiny, 0.9) and not start_profile.holds(tiny, 2.0)   # the floor: noise, not a change
+
+
+class FakeLoad:
+    """The machine's load as a test sets it: other processes' share of the cores."""
+    share = 0.0
+
+    def others_share(self) -> float:
+        return FakeLoad.share
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    FakeLoad.share = 0.0
+    monkeypatch.setattr(start_profile, "MachineLoad", FakeLoad)
+    return FakeLoad
+
+
+def test_the_load_counts_other_processes_cpu_not_this_ones():
+    """A thread of this process spinning is its own; a child process spinning is another's."""
+    import multiprocessing
+    import os
+    spin_s = 0.6
+
+    def spin() -> None:
+        end = time.monotonic() + spin_s
+        while time.monotonic() < end:
+            pass
+    own = start_profile.MachineLoad()
+    spin()
+    alone = own.others_share()
+    other = start_profile.MachineLoad()
+    child = multiprocessing.get_context("fork").Process(target=spin)
+    child.start()
+    child.join()
+    cores = os.cpu_count() or 1
+    assert alone < 0.5 / cores, alone                      # its own spinning is not counted
+    assert other.others_share() > 0.6 / cores, cores       # a whole core of another process's is
 
 
 def test_restored_choices_prepare_only_the_backends_they_name(monkeypatch, kernel_state):
@@ -84,8 +121,18 @@ def _info(running) -> common_pb2.ModelInfo:
         return drafter_pb2_grpc.DrafterStub(ch).Info(common_pb2.InfoRequest(), timeout=10)
 
 
+def _start(loaded) -> common_pb2.ModelInfo:
+    """A drafter started (its start profile kept or used), asked for its Info, stopped."""
+    running = drafter.service.serve(loaded, cost_curve_rows=3)
+    try:
+        return _info(running)
+    finally:
+        running.stop(0)
+
+
 def test_a_second_start_serves_on_what_the_first_timed_unless_the_machine_changed(tiny_draft, tmp_path,
-                                                                                  monkeypatch, kernel_state):
+                                                                                  monkeypatch, kernel_state,
+                                                                                  machine):
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     for variable in COST_CURVE_ENV.values():   # a pinned curve is not timed, so not kept
         monkeypatch.delenv(variable, raising=False)
@@ -102,11 +149,7 @@ def test_a_second_start_serves_on_what_the_first_timed_unless_the_machine_change
     monkeypatch.setattr(warm_up, "time_gathered_buckets", gathered)
 
     def start() -> common_pb2.ModelInfo:
-        running = drafter.service.serve(tiny_draft, cost_curve_rows=3)
-        try:
-            return _info(running)
-        finally:
-            running.stop(0)
+        return _start(tiny_draft)
     first = start()
     [path] = (tmp_path / "starts").glob("*.json")
     assert timed == ["gathered"] and len(first.forward_ms) == 3
@@ -117,9 +160,62 @@ def test_a_second_start_serves_on_what_the_first_timed_unless_the_machine_change
     saved["forward_ms"] = [max(50.0 * ms, 20.0) for ms in saved["forward_ms"]]   # as if saved on a slower machine
     path.write_text(json.dumps(saved))
     third = start()
-    assert timed == ["gathered", "gathered"]          # timed again, and kept
+    assert timed == ["gathered", "gathered"]          # timed again, and kept; the old one set aside
     assert json.loads(path.read_text())["forward_ms"] == pytest.approx(list(third.forward_ms))
     assert third.forward_ms[0] < 50.0 * first.forward_ms[0] / 2
+    assert json.loads(path.with_suffix(".aside.json").read_text())["forward_ms"] == saved["forward_ms"]
+
+
+def test_a_start_on_a_busy_machine_serves_on_the_saved_profile_and_saves_nothing(tiny_draft, tmp_path, monkeypatch,
+                                                                               kernel_state, machine):
+    """Another stack loads the cores while the service restarts: its decode step disagrees
+    with the profile because of them, so the profile serves as saved and nothing is timed;
+    and a start with no profile that times under such load does not save what it timed."""
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    for variable in COST_CURVE_ENV.values():
+        monkeypatch.delenv(variable, raising=False)
+    timed: list[str] = []
+    real_gathered = warm_up.time_gathered_buckets
+    monkeypatch.setattr(warm_up, "time_gathered_buckets", lambda *a: timed.append("gathered") or real_gathered(*a))
+
+    def start() -> common_pb2.ModelInfo:
+        return _start(tiny_draft)
+    machine.share = 0.9
+    start()
+    assert timed == ["gathered"] and not list((tmp_path / "starts").glob("*.json"))   # timed, not kept
+    machine.share = 0.0
+    first = start()
+    [path] = (tmp_path / "starts").glob("*.json")
+    saved = json.loads(path.read_text())
+    saved["forward_ms"] = [ms / 100.0 for ms in saved["forward_ms"]]   # as if this machine were now much slower
+    monkeypatch.setattr(start_profile, "CHECK_FLOOR_MS", 0.0)
+    path.write_text(json.dumps(saved))
+    machine.share = 0.9
+    busy = start()
+    assert timed == ["gathered", "gathered"]                      # not timed again under load
+    assert list(busy.forward_ms) == pytest.approx(saved["forward_ms"])   # the saved curve serves
+    assert json.loads(path.read_text())["forward_ms"] == saved["forward_ms"]   # and stays as it was
+    assert len(first.forward_ms) == 3
+
+
+def test_timings_that_disagree_with_themselves_are_not_kept(tiny_draft, tmp_path, monkeypatch, kernel_state,
+                                                            machine):
+    """The curve's one-row step and the decode step timed again at the end of the start
+    disagree (the cores taken for a moment): served on, not saved."""
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    for variable in COST_CURVE_ENV.values():
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(start_profile, "CHECK_FLOOR_MS", 0.0)
+    real_curve = warm_up.measure_cost_curve
+
+    def curve(loaded, rows, *args, **kwargs):
+        measured = real_curve(loaded, rows, *args, **kwargs)
+        if rows > 1:   # the start's curve, timed slow
+            return CostCurve([20.0 * ms for ms in measured.forward_ms], measured.prefill_ms_per_token)
+        return measured
+    monkeypatch.setattr(warm_up, "measure_cost_curve", curve)
+    drafter.service.serve(tiny_draft, cost_curve_rows=3).stop(0)
+    assert not list((tmp_path / "starts").glob("*.json"))
 
 
 def test_no_profile_is_kept_when_the_setting_is_off(tiny_draft, tmp_path, monkeypatch):
@@ -132,7 +228,7 @@ def test_no_profile_is_kept_when_the_setting_is_off(tiny_draft, tmp_path, monkey
 
 
 def test_one_slow_decode_step_at_a_restart_does_not_throw_the_profile_away(tiny_draft, tmp_path, monkeypatch,
-                                                                         kernel_state):
+                                                                         kernel_state, machine):
     # The cores busy for a moment as the service restarts: its first timed step 50x the saved
     # one. The check tries again before timing everything anew.
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))

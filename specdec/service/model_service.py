@@ -288,13 +288,18 @@ def serve_model(servicer_cls: type, session_cls: type, add_to_server: Callable, 
             cost_curve_rows=config.cost_curve_rows, max_sessions=min(config.max_sessions, GATHERED_ROWS),
             prefill_chunk=config.prefill_chunk, prefill_weights=config.prefill_weights))
         kept = config.start_profile_setting == "on"
-        servicer.curve, gathered = warm_and_time(loaded, service_name, key if kept else None,
-                                                 config.cost_curve_rows, config.prefill_chunk, config.max_sessions)
-        if kept:
+        timed = warm_and_time(loaded, service_name, key if kept else None, config.cost_curve_rows,
+                              config.prefill_chunk, config.max_sessions)
+        servicer.curve, gathered = timed.curve, timed.gathered
+        if kept and timed.keep:
             def save_profile() -> None:  # at start, and at a clean stop with the choices made while serving
-                start_profile.save(start_profile.StartProfile(servicer.curve, gathered, kernel_choices.saved_choices()),
+                # The start's curve, not the live one: served under load, it follows that load.
+                start_profile.save(start_profile.StartProfile(timed.curve, gathered, kernel_choices.saved_choices()),
                                    key)
-            save_profile()
+            if timed.timed:
+                if timed.replaces:
+                    start_profile.set_aside(key)
+                save_profile()
             running.on_stop = lambda: (store.close(), save_profile())
     log.info("%s: forward ms by rows (1..%d): %s; prefill %.2f ms a token%s", service_name,
              len(servicer.curve.forward_ms), ", ".join(f"{ms:.1f}" for ms in servicer.curve.forward_ms),

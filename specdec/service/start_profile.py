@@ -12,9 +12,20 @@ timing again.
 A loaded profile is checked before it is trusted: a decode step is timed now (the
 least of up to CHECK_TRIES tries) and must be within CHECK_TOLERANCE of the saved
 curve's first point (a VM resized under the same CPU model, another tenant on the
-cores). Where it is not, the service times everything again, as on a first start,
-and saves the new profile. Once serving, the live curve refreshes the cost curve
-from real forwards, as after any start.
+cores). Where it is not:
+- while other processes keep the cores busy (`MachineLoad`: their CPU time over the
+  check, QUIET_SHARE of the cores or more), the step is slow because of them, not
+  because the machine changed: the saved profile serves, and nothing is timed;
+- on a quiet machine the service times everything again, as on a first start.
+A start's own timings are saved only where they agree with themselves (a decode
+step timed again at the end within CHECK_TOLERANCE of the curve's) and the machine
+was quiet while they were taken: a verifier restarted under another stack's load
+once timed its one-row step at 8.1 ms against 2.4 and saved that, the next quiet
+start disagreed and timed everything again (10-12 s to SERVING instead of 0.5), and
+every coordinator started meanwhile priced speculation from it. A saved profile
+that a quiet start replaces is set aside (`<name>.aside.json`), not lost. Once
+serving, the live curve refreshes the cost curve from real forwards, as after any
+start.
 The files are JSON under $SPECDEC_HOME/starts/, written atomically by the services.
 """
 from __future__ import annotations
@@ -30,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 
+import psutil
 import torch
 
 from specdec.runtime import kernels
@@ -43,6 +55,36 @@ CHECK_FLOOR_MS = 1.0   # ... or within this many ms (a tiny model's 0.3 ms step 
 # Decode steps timed (3 each) before a profile is called stale: a restarted 1.5B verifier's
 # first took 44.4 ms against 30.1 saved, and timing everything again made its restart 86.8 s.
 CHECK_TRIES = 3
+# Other processes' CPU time while a start times, as a share of the machine's cores, from
+# which its timings are not trusted: not saved, and not taken over a saved profile.
+QUIET_SHARE = 0.2
+
+
+class MachineLoad:
+    """What other processes ran on this machine from this object's making until
+    `others_share`: the machine's busy CPU time (steal included: in a VM, the host's
+    other guests) less this process's own (every thread's), as a share of all cores
+    over the wall time."""
+
+    def __init__(self) -> None:
+        self.started, self.busy, self.own = time.monotonic(), _busy_s(), _own_s()
+
+    def others_share(self) -> float:
+        wall = time.monotonic() - self.started
+        if wall <= 0.0:
+            return 0.0
+        others = (_busy_s() - self.busy) - (_own_s() - self.own)
+        return max(others, 0.0) / (wall * (psutil.cpu_count() or 1))
+
+
+def _busy_s() -> float:
+    t = psutil.cpu_times()
+    return sum(getattr(t, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
+def _own_s() -> float:
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
 
 
 def _version(package: str) -> str:
@@ -145,7 +187,16 @@ def save(profile: StartProfile, key: dict[str, object], root: pathlib.Path | Non
         return None
 
 
-def holds(profile: StartProfile, decode_ms: float) -> bool:
-    """Whether a decode step timed now agrees with the profile's (CHECK_TOLERANCE)."""
-    saved = profile.curve.forward_ms[0]
+def holds(curve: CostCurve, decode_ms: float) -> bool:
+    """Whether a decode step timed now agrees with the curve's one-row point (CHECK_TOLERANCE)."""
+    saved = curve.forward_ms[0]
     return abs(decode_ms - saved) <= max(CHECK_TOLERANCE * saved, CHECK_FLOOR_MS)
+
+
+def set_aside(key: dict[str, object], root: pathlib.Path | None = None) -> None:
+    """Move the profile saved under `key` out of the way of the one about to replace it."""
+    path = path_for(key, root)
+    try:
+        os.replace(path, path.with_suffix(".aside.json"))
+    except OSError:
+        pass

@@ -12,6 +12,7 @@ import logging
 import math
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from specdec.runtime import dense_rows, kernel_choices, torch_thread
@@ -108,34 +109,69 @@ def measure_cost_curve(loaded: LoadedModel, rows: int, repeats: int = 3, prefill
     return CostCurve(curve, round(min(per_token), 4) if prefills else 0.0)
 
 
+@dataclass(frozen=True)
+class Timed:
+    """What a start serves on, and whether it may be kept as a start profile."""
+    curve: CostCurve
+    gathered: dict[int, float]
+    timed: bool          # timed by this start (not a saved profile's)
+    keep: bool           # timed on a quiet machine, and in agreement with itself; or a saved profile's
+    replaces: bool = False   # timed because a saved profile disagreed on a quiet machine
+
+
+def decode_step_ms(loaded: LoadedModel, within: CostCurve | None = None) -> float:
+    """The least of up to CHECK_TRIES decode steps, stopping at one within `within`'s
+    (a restart's first steps can meet the cores busy)."""
+    decode_ms = math.inf
+    for _ in range(start_profile.CHECK_TRIES):
+        decode_ms = min(decode_ms, torch_thread.run(measure_cost_curve, loaded, 1, prefills=0).forward_ms[0])
+        if within is not None and start_profile.holds(within, decode_ms):
+            break
+    return decode_ms
+
+
 def warm_and_time(loaded: LoadedModel, service_name: str, key: dict | None, cost_curve_rows: int,
-                  prefill_chunk: int, max_sessions: int) -> tuple[CostCurve, dict[int, float]]:
+                  prefill_chunk: int, max_sessions: int) -> Timed:
     """Warm up, then the cost curve and the gathered batches' costs: a start profile's,
-    saved under `key` by a start before, where a decode step timed now agrees with it
-    (its kernel choices restored before warm-up, which would time them); else timed,
-    with the prefill and gathered row buckets' kernel choices."""
+    saved under `key` by a start before, where a decode step timed now agrees with it, or
+    where it does not only because other processes keep the cores busy (its kernel
+    choices restored before warm-up, which would time them); else timed, with the prefill
+    and gathered row buckets' kernel choices, and kept only where the machine was quiet
+    and a decode step timed again agrees with the curve (start_profile's docstring)."""
+    load = start_profile.MachineLoad()
     profile = start_profile.load(key) if key is not None else None
     if profile is not None:
         kernel_choices.restore_choices(profile.choices)
     torch_thread.run(warm_up, loaded)
     if profile is not None:
-        decode_ms = math.inf
-        for _ in range(start_profile.CHECK_TRIES):   # a restart's first steps can meet the cores busy
-            decode_ms = min(decode_ms, torch_thread.run(measure_cost_curve, loaded, 1, prefills=0).forward_ms[0])
-            if start_profile.holds(profile, decode_ms):
-                break
-        saved = start_profile.path_for(key)
-        if start_profile.holds(profile, decode_ms):
+        decode_ms = decode_step_ms(loaded, profile.curve)
+        saved, busy = start_profile.path_for(key), load.others_share()
+        if start_profile.holds(profile.curve, decode_ms):
             log.info("%s: kernel choices and cost curves from %s (a decode step now %.1f ms, then %.1f ms)",
                      service_name, saved, decode_ms, profile.curve.forward_ms[0])
-            return profile.curve, profile.gathered
-        log.info("%s: a decode step now takes %.1f ms, %.1f ms when %s was saved: timing again",
+            return Timed(profile.curve, profile.gathered, timed=False, keep=True)
+        if busy >= start_profile.QUIET_SHARE:
+            log.info("%s: a decode step now takes %.1f ms, %.1f ms when %s was saved, while other processes use "
+                     "%.0f%% of the cores: the saved profile serves (the live curve follows real forwards)",
+                     service_name, decode_ms, profile.curve.forward_ms[0], saved, 100 * busy)
+            return Timed(profile.curve, profile.gathered, timed=False, keep=True)
+        log.info("%s: a decode step now takes %.1f ms, %.1f ms when %s was saved, on a quiet machine: timing again",
                  service_name, decode_ms, profile.curve.forward_ms[0], saved)
         kernel_choices.restore_choices({})
         torch_thread.run(forget_prepared, loaded)
+    load = start_profile.MachineLoad()
     torch_thread.run(time_prefill_buckets, loaded, prefill_chunk)
     gathered = torch_thread.run(time_gathered_buckets, loaded, max_sessions)
-    return torch_thread.run(measure_cost_curve, loaded, cost_curve_rows), gathered
+    curve = torch_thread.run(measure_cost_curve, loaded, cost_curve_rows)
+    if key is None or not curve.forward_ms:
+        return Timed(curve, gathered, timed=True, keep=False)
+    again, busy = decode_step_ms(loaded, curve), load.others_share()
+    keep = start_profile.holds(curve, again) and busy < start_profile.QUIET_SHARE
+    if not keep:
+        log.warning("%s: these timings are not kept as a start profile (a decode step %.1f ms, then %.1f ms at the "
+                    "end; other processes used %.0f%% of the cores meanwhile): the next start times again",
+                    service_name, curve.forward_ms[0], again, 100 * busy)
+    return Timed(curve, gathered, timed=True, keep=keep, replaces=profile is not None)
 
 
 def forget_prepared(loaded: LoadedModel) -> None:
