@@ -192,20 +192,20 @@ def _json(value: Any) -> str:
     return json.dumps(value)
 
 
-def _path(loc: tuple, data: Any) -> str:
+def _path(error: dict, data: Any) -> str:
     """A validation error's location as a field path into the request as sent
     ("messages[0].content"): pydantic's own also names union members ("str",
     "list[str]"), which are left out."""
     parts: list[str] = []
-    for key in loc:
+    loc = error["loc"]
+    for i, key in enumerate(loc):
         if isinstance(key, int) and isinstance(data, list) and 0 <= key < len(data):
             parts.append(f"[{key}]")
             data = data[key]
-        elif isinstance(key, str) and isinstance(data, dict):
+        elif isinstance(key, str) and isinstance(data, dict) and (key in data or (
+                error["type"] == "missing" and i == len(loc) - 1)):
             parts.append(("." if parts else "") + key)
-            if key not in data:   # a missing field
-                break
-            data = data[key]
+            data = data.get(key)
         elif not isinstance(key, str):
             break
         # else: a union member's name, not a key of what was sent
@@ -222,8 +222,8 @@ def parse(model: type[OpenAIRequest], data: Any) -> OpenAIRequest:
         # Of a union's errors, the one reaching deepest into what was sent: a list of stop
         # strings holding a lone surrogate is told that, not that it is not one string.
         errors = exc.errors(include_url=False)
-        error = max(errors, key=lambda e: len(_path(e["loc"], data)))
-        where = _path(error["loc"], data) or None
+        error = max(errors, key=lambda e: len(_path(e, data)))
+        where = _path(error, data) or None
         if error["type"] == "extra_forbidden":
             raise InvalidArgument(f"'{clip(where, 64)[1:-1]}' is not supported by this server; docs/api.md lists the "
                                   "fields it takes", where) from None

@@ -96,7 +96,10 @@ def bodies(draw) -> bytes:
     return json.dumps(body).encode()
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# Derandomized: the same 150 bodies on every machine (3,000 random ones found nothing either:
+# docs/runs/http-api.md, 2026-12-07).
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=bodies(), path=st.sampled_from((CHAT, COMPLETIONS)))
 def test_arbitrary_json_never_gets_a_5xx_or_an_error_not_in_openais_shape(front, body, path):
     response = httpx.post(front.url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
