@@ -36,7 +36,7 @@ from coordinator.openai_api import error_body
 from coordinator.settings import HttpLimits
 
 log = logging.getLogger("coordinator.http")
-BODIES_HELD = 32   # largest bodies the front holds at once (what a request's generation does not need long)
+BODIES_HELD = 32   # the front holds at most this many largest bodies' worth at once
 
 
 def error_response(status: int, kind: str, message: str, param: str | None = None) -> bytes:
