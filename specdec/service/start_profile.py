@@ -13,13 +13,13 @@ A loaded profile is checked before it is trusted: a decode step is timed now (th
 least of up to CHECK_TRIES tries) and must be within CHECK_TOLERANCE of the saved
 curve's first point (a VM resized under the same CPU model, another tenant on the
 cores). Where it is not:
-- while other processes keep the cores busy (`MachineLoad`: their CPU time over the
-  check, QUIET_SHARE of the cores or more), the step is slow because of them, not
+- while other processes keep the cores busy (on a CPU device; `MachineLoad`: their CPU
+  time over the check, QUIET_SHARE of the cores or more), the step is slow because of them, not
   because the machine changed: the saved profile serves, and nothing is timed;
 - on a quiet machine the service times everything again, as on a first start.
 A start's own timings are saved only where they agree with themselves (a decode
-step timed again at the end within CHECK_TOLERANCE of the curve's) and the machine
-was quiet while they were taken: a verifier restarted under another stack's load
+step timed again at the end within CHECK_TOLERANCE of the curve's) and, on a CPU,
+the machine was quiet while they were taken: a verifier restarted under another stack's load
 once timed its one-row step at 8.1 ms against 2.4 and saved that, the next quiet
 start disagreed and timed everything again (10-12 s to SERVING instead of 0.5), and
 every coordinator started meanwhile priced speculation from it. A saved profile
