@@ -52,6 +52,30 @@ def test_a_kernel_backend_installed_or_upgraded_since_a_start_is_timed_at_the_ne
     assert len({without, with_it, path()}) == 3
     assert path() == path()
 
+def test_a_profile_is_kept_per_instruction_set_in_force(monkeypatch):
+    """torch held to another ISA (ATEN_CPU_CAPABILITY) on the same CPU, or a ggml built for
+    other features at the same version: another profile, never the one timed before."""
+    import subprocess
+    import sys
+
+    def key_in_child(**env) -> list[str]:
+        code = ("from specdec.service import start_profile as s; k = s.profile_key('m', 'cpu', {}); "
+                "print(k['isa']['torch'], s.path_for(k).name)")
+        import os
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, **env}, check=True)
+        return out.stdout.split()
+    scalar, native = key_in_child(ATEN_CPU_CAPABILITY="default"), key_in_child()
+    assert scalar[0] == "DEFAULT" and native[0] != "DEFAULT", (scalar, native)
+    assert scalar[1] != native[1]
+    from specdec.runtime import ggml
+
+    def path(features: str):
+        monkeypatch.setattr(ggml, "isa", lambda: features)
+        return start_profile.path_for(start_profile.profile_key("m", "cpu", {}))
+    assert path("avx avx2 fma") != path("avx avx2 fma avx512 avx512_vnni")
+
+
 def test_a_profile_holds_while_a_decode_step_takes_what_it_did():
     curve = CostCurve([30.0], 1.0)
     assert start_profile.holds(curve, 36.0) and start_profile.holds(curve, 24.0)

@@ -126,6 +126,39 @@ def lib() -> _Lib:
     return _Lib()
 
 
+# ggml_cpu_has_<name>: what the library was compiled for (llama-cpp-python builds for the machine it
+# builds on), the x86 features that pick its kernels.
+ISA_FEATURES = ("sse3", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512", "avx512_vbmi", "avx512_vnni",
+                "avx512_bf16", "amx_int8")
+
+
+@functools.cache
+def isa() -> str:
+    """The features the installed ggml was built for, as its ggml_cpu_has_* functions
+    answer ("" where it is not installed or does not load); found without importing
+    llama_cpp. A start profile is kept per this (start_profile.profile_key): one timed on
+    a build with AVX-512 is not reused on a build without it, at the same version."""
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec("llama_cpp")
+        if spec is None or spec.origin is None:
+            return ""
+        folder = os.path.join(os.path.dirname(spec.origin), "lib")
+        ctypes.CDLL(os.path.join(folder, "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+        cpu = ctypes.CDLL(os.path.join(folder, "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+    except (OSError, ImportError, ValueError) as error:
+        _log.info("ggml's ISA unknown (%s)", error)
+        return ""
+    has = []
+    for name in ISA_FEATURES:
+        fn = getattr(cpu, f"ggml_cpu_has_{name}", None)
+        if fn is not None:
+            fn.argtypes, fn.restype = [], ctypes.c_int
+            if fn():
+                has.append(name)
+    return " ".join(has) or "none"
+
+
 _scratch: dict[tuple[int, int], torch.Tensor] = {}   # (rows, width) -> fp32 [rows, width]: x and y of the calls
 _lock = threading.Lock()
 _log = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ from importlib import metadata
 import psutil
 import torch
 
-from specdec.runtime import kernels
+from specdec.runtime import ggml, kernels
 from specdec.runtime.cost_curve import CostCurve
 from specdec.weights import registry
 
@@ -114,12 +114,20 @@ def _backend_packages() -> dict[str, str]:
             for backend in kernels.BACKENDS}
 
 
+def isa() -> dict[str, str]:
+    """The instruction sets in force, which a CPU's flags do not say: torch's kernels run at
+    the capability ATEN_CPU_CAPABILITY holds them to (AVX2 on an AVX-512 machine, to measure
+    an AVX2-only one), and ggml's at what its build was compiled for."""
+    return {"torch": torch.backends.cpu.get_cpu_capability(), "ggml": ggml.isa()}
+
+
 def profile_key(model_identity: str, device: str, settings: dict[str, object]) -> dict[str, object]:
     """Everything a start's timings depend on: the machine (CPU model and features, the
-    threads torch runs on), the libraries whose kernels were timed, the model (its
-    converted form's identity) and the service's settings that change what is timed."""
+    instruction sets in force, the threads torch runs on), the libraries whose kernels
+    were timed, the model (its converted form's identity) and the service's settings
+    that change what is timed."""
     return {
-        "format": FORMAT, "cpu": _cpu_model(),
+        "format": FORMAT, "cpu": _cpu_model(), "isa": isa(),
         "cpu_flags": hashlib.sha256(" ".join(sorted(kernels.cpu_flags())).encode()).hexdigest()[:16],
         "threads": torch.get_num_threads(), "device": device,
         "torch": torch.__version__, "transformers": _version("transformers"),
