@@ -26,13 +26,14 @@ import asyncio
 import hmac
 import json
 import logging
-import uuid
 
 import anyio
 import grpc
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from coordinator.openai_api import error_body
+from specdec.rpc.errors import report_internal
+
+from coordinator.openai_api import error_body, error_dict
 from coordinator.settings import HttpLimits
 
 log = logging.getLogger("coordinator.http")
@@ -42,7 +43,7 @@ BODIES_HELD = 32   # the front holds at most this many largest bodies' worth at 
 def error_response(status: int, kind: str, message: str, param: str | None = None) -> bytes:
     """A whole HTTP/1.1 response in OpenAI's error shape, for answers written before
     (or instead of) the app: the connection closes after it."""
-    body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": kind}}).encode()
+    body = json.dumps(error_dict(message, kind, kind, param)).encode()
     phrase = {400: "Bad Request", 408: "Request Timeout", 413: "Content Too Large",
               503: "Service Unavailable"}.get(status, "Error")
     return (f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
@@ -79,12 +80,9 @@ class Guard:
         try:
             await self._guarded(scope, receive, tracked)
         except Exception as exc:   # the app's own handlers answer everything they expect
-            error_id = uuid.uuid4().hex[:16]
-            log.error("%s %s failed (error id %s)", scope["method"], scope["path"], error_id, exc_info=exc)
+            message = report_internal(exc, f"{scope['method']} {scope['path']}", "coordinator", log)[1]
             if not started:
-                await send_json(send, *error_body(
-                    grpc.StatusCode.INTERNAL, f"internal error (error id {error_id}); retry, and if it persists "
-                    "report the error id (the coordinator's log has the details under it)"), close=True)
+                await send_json(send, *error_body(grpc.StatusCode.INTERNAL, message), close=True)
 
     async def _guarded(self, scope, receive, send) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
@@ -118,9 +116,8 @@ class Guard:
         limit = self.limits.max_body_bytes
 
         def too_large(size: str) -> dict:
-            return {"error": {"message": f"the request body ({size}) is over this server's limit of {limit:,} bytes "
-                                         "(--http-max-body-bytes)", "type": "invalid_request_error",
-                              "param": None, "code": "request_too_large"}}
+            return error_dict(f"the request body ({size}) is over this server's limit of {limit:,} bytes "
+                              "(--http-max-body-bytes)", "invalid_request_error", "request_too_large")
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             await self._drain(receive)
@@ -148,10 +145,9 @@ class Guard:
                     else:
                         chunks.append(chunk)
         except TimeoutError:
-            await send_json(send, 408, {"error": {
-                "message": f"the request body did not arrive within {self.limits.body_timeout_s:g} s "
-                           "(--http-body-timeout)", "type": "invalid_request_error", "param": None,
-                "code": "request_timeout"}}, close=True)
+            await send_json(send, 408, error_dict(f"the request body did not arrive within "
+                                                  f"{self.limits.body_timeout_s:g} s (--http-body-timeout)",
+                                                  "invalid_request_error", "request_timeout"), close=True)
             return None
         finally:
             if not whole:   # else released once the app is done with it (_guarded)

@@ -21,7 +21,6 @@ import json
 import logging
 import threading
 import time
-import uuid
 from typing import AsyncIterator, Iterator
 
 import anyio
@@ -31,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdec.rpc.errors import InvalidArgument, SpecdecError, Unavailable, clip, public_message
+from specdec.rpc.errors import InvalidArgument, SpecdecError, Unavailable, clip, public_message, report_internal
 from specdec.rpc.security import ServerTls
 
 from coordinator.http_limits import Guard, protocol_for
@@ -76,11 +75,7 @@ def _error(exc: BaseException) -> JSONResponse:
         code = exc.code()
         message = public_message("verifier", code, exc.details() or "")
     else:
-        error_id = uuid.uuid4().hex[:16]
-        log.error("an HTTP request failed (error id %s)", error_id, exc_info=exc)
-        code, message = grpc.StatusCode.INTERNAL, (f"internal error (error id {error_id}); retry, and if it "
-                                                   "persists report the error id (the coordinator's log has the "
-                                                   "details under it)")
+        code, message = grpc.StatusCode.INTERNAL, report_internal(exc, "an HTTP request", "coordinator", log)[1]
     status, body = error_body(code, message, param)
     return JSONResponse(body, status_code=status)
 
@@ -117,13 +112,12 @@ def build_app(servicer, model: str, serving: threading.Event | None = None) -> F
 
     @app.exception_handler(StarletteHTTPException)
     async def not_served(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: grpc.StatusCode.NOT_FOUND, 405: grpc.StatusCode.INVALID_ARGUMENT}.get(
-            exc.status_code, grpc.StatusCode.INVALID_ARGUMENT)
-        what = "no such path" if exc.status_code == 404 else f"{request.method} is not served here"
-        status, body = error_body(code, f"{what}: {request.method} {clip(request.url.path)[1:-1]}; this server "
-                                        "serves POST /v1/chat/completions, POST /v1/completions, GET /v1/models "
-                                        "and GET /health")
-        return JSONResponse(body, status_code=exc.status_code if exc.status_code in (404, 405) else status)
+        missing = exc.status_code == 404
+        what = "no such path" if missing else f"{request.method} is not served here"
+        _, body = error_body(grpc.StatusCode.NOT_FOUND if missing else grpc.StatusCode.INVALID_ARGUMENT,
+                             f"{what}: {request.method} {clip(request.url.path)[1:-1]}; this server serves POST "
+                             "/v1/chat/completions, POST /v1/completions, GET /v1/models and GET /health")
+        return JSONResponse(body, status_code=exc.status_code)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -45,20 +45,25 @@ HTTP_STATUS = {
 }
 
 
+def error_dict(message: str, kind: str, code: str, param: str | None = None) -> dict:
+    """OpenAI's error body."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 def error_body(code: grpc.StatusCode, message: str, param: str | None = None) -> tuple[int, dict]:
     status, kind = HTTP_STATUS.get(code, (500, "internal_error"))
-    return status, {"error": {"message": message, "type": kind, "param": param, "code": code.name.lower()}}
+    return status, error_dict(message, kind, code.name.lower(), param)
 
 
 def _sampling(request: OpenAIRequest) -> common_pb2.SamplingParams:
-    """OpenAI's sampling fields as the one SamplingConfig (validated where Generate's are)."""
+    """OpenAI's sampling fields as the one SamplingConfig (validated by Generate's own checks)."""
     return sampling_to_proto(SamplingConfig(
         temperature=1.0 if request.temperature is None else request.temperature,   # OpenAI's default
         top_k=max(request.top_k or 0, 0),                                          # vLLM's -1 and 0: off
         top_p=1.0 if request.top_p is None else request.top_p,
         repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
         seed=request.seed, frequency_penalty=request.frequency_penalty or 0.0,
-        presence_penalty=request.presence_penalty or 0.0).validate())
+        presence_penalty=request.presence_penalty or 0.0))
 
 
 def to_generate(request: OpenAIRequest, served_model: str) -> pb.GenerateRequest:

@@ -143,7 +143,7 @@ class OpenAIRequest(_Strict):
     def _no_op(cls, value: Any, info) -> Any:
         taken = NO_OP[info.field_name]
         if value is not None and not any(value == v and type(value) is type(v) for v in taken):
-            raise ValueError(f"is not supported by this server (only {' or '.join(_json(v) for v in taken)}, "
+            raise ValueError(f"is not supported by this server (only {' or '.join(json.dumps(v) for v in taken)}, "
                              "which changes nothing, is taken)")
         return value
 
@@ -186,10 +186,6 @@ class CompletionRequest(OpenAIRequest):
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     suffix: Any = None
     echo: Any = None
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value)
 
 
 def _path(error: dict, data: Any) -> str:

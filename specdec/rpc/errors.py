@@ -110,6 +110,16 @@ def public_message(service: str, code: grpc.StatusCode, details: str) -> str:
     return f"the {service} refused the call: {details}"
 
 
+def report_internal(exc: BaseException, what: str, service: str = "service",
+                    logger: logging.Logger = log) -> tuple[str, str]:
+    """An unexpected failure's error id and what the caller is told of it: the traceback
+    goes to the log under the id, never to the caller (paths, shapes, internal names)."""
+    error_id = uuid.uuid4().hex[:16]
+    logger.error("%s failed (error id %s)", what, error_id, exc_info=exc)
+    return error_id, (f"internal error (error id {error_id}): the {service} failed on this call; retry, and if it "
+                      f"persists report the error id (the {service}'s log has the details under it)")
+
+
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
     """Ends the call with the status the caller should see for `exc`. An unexpected
     exception's text (paths, tensor shapes, internal names) is never sent: the
@@ -120,15 +130,12 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> No
         # A downstream service failed: pass its code on, say which call it was.
         code, message = exc.code(), exc.details() or str(exc)
     else:
-        error_id = uuid.uuid4().hex[:16]
-        log.error("%s failed (error id %s)", method, error_id, exc_info=exc)
+        error_id, message = report_internal(exc, method)
         span = trace.get_current_span()
         span.record_exception(exc)
         span.set_attribute("specdec.error_id", error_id)
         span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__} (error id {error_id})"))
-        return context.abort(grpc.StatusCode.INTERNAL,  # (abort raises: the call ends here)
-                             f"internal error (error id {error_id}): the service failed on this call; retry, "
-                             "and if it persists report the error id (the service's log has the details under it)")
+        return context.abort(grpc.StatusCode.INTERNAL, message)  # (abort raises: the call ends here)
     if len(message) > MAX_STATUS_CHARS:   # a backstop: messages clip what they echo (clip)
         message = message[:MAX_STATUS_CHARS] + f"... ({len(message):,} characters)"
     if code == grpc.StatusCode.INTERNAL:

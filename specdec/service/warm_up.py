@@ -140,6 +140,9 @@ def warm_and_time(loaded: LoadedModel, service_name: str, key: dict | None, cost
     and a decode step timed again agrees with the curve (start_profile's docstring)."""
     # The cores' load is what a CPU's timings depend on; a GPU's steps depend on the device.
     on_cpu = str(loaded.device).startswith("cpu")
+
+    def others_share(load: start_profile.MachineLoad) -> float:
+        return load.others_share() if on_cpu else 0.0
     load = start_profile.MachineLoad()
     profile = start_profile.load(key) if key is not None else None
     if profile is not None:
@@ -147,7 +150,7 @@ def warm_and_time(loaded: LoadedModel, service_name: str, key: dict | None, cost
     torch_thread.run(warm_up, loaded)
     if profile is not None:
         decode_ms = decode_step_ms(loaded, profile.curve)
-        saved, busy = start_profile.path_for(key), load.others_share() if on_cpu else 0.0
+        saved, busy = start_profile.path_for(key), others_share(load)
         if start_profile.holds(profile.curve, decode_ms):
             log.info("%s: kernel choices and cost curves from %s (a decode step now %.1f ms, then %.1f ms)",
                      service_name, saved, decode_ms, profile.curve.forward_ms[0])
@@ -167,7 +170,7 @@ def warm_and_time(loaded: LoadedModel, service_name: str, key: dict | None, cost
     curve = torch_thread.run(measure_cost_curve, loaded, cost_curve_rows)
     if key is None or not curve.forward_ms:
         return Timed(curve, gathered, timed=True, keep=False)
-    again, busy = decode_step_ms(loaded, curve), load.others_share() if on_cpu else 0.0
+    again, busy = decode_step_ms(loaded, curve), others_share(load)
     keep = start_profile.holds(curve, again) and busy < start_profile.QUIET_SHARE
     if not keep:
         log.warning("%s: these timings are not kept as a start profile (a decode step %.1f ms, then %.1f ms at the "
