@@ -60,10 +60,11 @@ class ModelClient:
             except ValueError:  # the channel is closed: this client is shutting down
                 pass
 
-    def session_request(self, session_id: str, prompt_ids: Sequence[int],
-                        cache_salt: bytes) -> common_pb2.StartSessionRequest:
+    def session_request(self, session_id: str, prompt_ids: Sequence[int], cache_salt: bytes,
+                        grammar: str = "", grammar_start: int = 0) -> common_pb2.StartSessionRequest:
         return common_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt_ids,
-                                              cache_salt=cache_salt, owner=self.owner, lease_s=self.lease_s)
+                                              cache_salt=cache_salt, owner=self.owner, lease_s=self.lease_s,
+                                              grammar=grammar, grammar_start=grammar_start)
 
     def failure(self, method: str, exc: grpc.RpcError) -> RemoteError:
         """The public error for a failed call; the details stay in the log and the trace."""
@@ -131,10 +132,11 @@ class VerifierClient(ModelClient):
         super().__init__(address, verifier_pb2_grpc.VerifierStub, tls, token)
 
     def start_session(self, session_id: str, prompt_ids: Sequence[int], timeout: float | None = None,
-                      cache_salt: bytes = b"") -> int:
-        """Opens the session; returns the prompt tokens taken from the prefix cache."""
-        return self.call("StartSession", self.session_request(session_id, prompt_ids, cache_salt),
-                         timeout).prefix_cached_tokens
+                      cache_salt: bytes = b"", grammar: str = "", grammar_start: int = 0) -> int:
+        """Opens the session (under `grammar` from position `grammar_start`, for a
+        structured output); returns the prompt tokens taken from the prefix cache."""
+        return self.call("StartSession", self.session_request(session_id, prompt_ids, cache_salt, grammar,
+                                                              grammar_start), timeout).prefix_cached_tokens
 
     def verify(self, session_id: str, proposal: Proposal, sampling: SamplingConfig,
                timeout: float | None = None, logprobs: int | None = None) -> RejectionOutput:
@@ -194,11 +196,11 @@ class DrafterClient(ModelClient):
         return cancelled
 
     def start_session_async(self, session_id: str, prompt_ids: Sequence[int], timeout: float | None,
-                            cache_salt: bytes = b"") -> grpc.Future:
+                            cache_salt: bytes = b"", grammar: str = "", grammar_start: int = 0) -> grpc.Future:
         """StartSession without waiting (its prefill overlaps the verifier's); the
         future's result is the StartSessionResponse."""
-        return self._track(self.stub.StartSession.future(self.session_request(session_id, prompt_ids, cache_salt),
-                                                         timeout=timeout))
+        request = self.session_request(session_id, prompt_ids, cache_salt, grammar, grammar_start)
+        return self._track(self.stub.StartSession.future(request, timeout=timeout))
 
     def match_prefix(self, prompt_ids: Sequence[int], cache_salt: bytes, timeout: float | None) -> int:
         """Leading tokens of the prompt the drafter's prefix cache holds (raises grpc.RpcError)."""
@@ -239,9 +241,11 @@ class RemoteDraftProposer(ModelProposer):
 
     def __init__(self, client: DrafterClient, expected_fingerprint: str, timeout: Timeout = _no_deadline,
                  call_timeout_s: float = 30.0, truncation: Truncation = Truncation(),
-                 keep_alive_s: float = 150.0, is_up: Callable[[], bool] = lambda: True, cache_salt: bytes = b""):
+                 keep_alive_s: float = 150.0, is_up: Callable[[], bool] = lambda: True, cache_salt: bytes = b"",
+                 grammar: tuple[str, int] = ("", 0)):
         self.client = client
         self.cache_salt = cache_salt          # the request's prefix-cache salt
+        self.grammar = grammar                # the request's compiled grammar and the output's start ("": none)
         self.truncation = truncation  # the draft distribution's support sent (sparse) when sampling
         self.expected_fingerprint = expected_fingerprint
         self._caller_timeout = timeout
@@ -259,7 +263,8 @@ class RemoteDraftProposer(ModelProposer):
 
     def start(self, session_id: str, prompt_ids: Sequence[int]) -> None:
         self._session_id = session_id
-        self._started = self.client.start_session_async(session_id, prompt_ids, self._timeout(), self.cache_salt)
+        self._started = self.client.start_session_async(session_id, prompt_ids, self._timeout(), self.cache_salt,
+                                                        *self.grammar)
 
     def ready(self) -> None:
         self._await_start()

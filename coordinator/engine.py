@@ -38,8 +38,11 @@ FIXED_MIN_MATCH = 3  # fixed γ: a lookup backed by this many context tokens dra
 def fixed_plan(lookups: Sequence[Lookup], gamma: int, model: bool) -> Plan:
     """A fixed γ's round: γ tokens, the best-backed candidate's first when its match
     is long enough (any candidate, without a model), the model's after them."""
-    best = max(lookups, key=lambda lookup: lookup.match_length, default=Lookup())
-    free = min(len(best.token_ids), gamma) if best.match_length >= (FIXED_MIN_MATCH if model else 0) else 0
+    # A grammar's forced tokens first: only a tokenization the target does not share rejects them.
+    best = next((lookup for lookup in lookups if lookup.forced), None) or \
+        max(lookups, key=lambda lookup: lookup.match_length, default=Lookup())
+    free = min(len(best.token_ids), gamma) if best.forced or \
+        best.match_length >= (FIXED_MIN_MATCH if model else 0) else 0
     return Plan.of(free, gamma - free if model else 0, best.source)
 
 
@@ -59,6 +62,7 @@ class GenerationRequest:
     logprobs: int | None = None     # each output token's TokenLogprob, with this many top tokens (None: not asked)
     sources: tuple[str, ...] = ()   # the draft sources by name, overriding `proposer`
     free_only: bool = False         # its free sources draft, never the model (a seeded sample: requests.py)
+    grammar: str = ""               # a structured output's compiled grammar (sampling.constraint: its fingerprint)
 
 
 @dataclass
@@ -135,7 +139,8 @@ class SpeculativeEngine:
         #    default pair's speculative prefill took a median 2.9 s on Spec-Bench
         #    against 0.69 s for the target's alone).
         g.stats.prefix_cached_tokens = self.verifier.start_session(
-            g.session_id, g.request.prompt_ids, g.timeout(), g.request.cache_salt)
+            g.session_id, g.request.prompt_ids, g.timeout(), g.request.cache_salt, g.request.grammar,
+            len(g.request.prompt_ids))
         self.metrics.observe_prefix("target", len(g.request.prompt_ids), g.stats.prefix_cached_tokens)
         # The session caches all but the prompt's last token; the forward over it is the
         # rest of the prefill, and its token is the first (not a round), speculating or not.

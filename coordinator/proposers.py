@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specdec.rpc.errors import InvalidArgument, clip
-from specdec.spec.proposers import MODEL, SOURCES, names
+from specdec.spec.proposers import MODEL, SOURCES, SourceInputs, names
 from specdec.spec.proposers.drafts import Drafts
 from specdec.spec.proposers.model import ModelProposer
 
@@ -55,9 +55,11 @@ def checked_sources(asked) -> tuple[str, ...]:
     return asked
 
 
-def build(sources: tuple[str, ...], model: ModelProposer | None, recent) -> Drafts | None:
+def build(sources: tuple[str, ...], model: ModelProposer | None, recent, grammar=None) -> Drafts | None:
     """The request's drafts from its sources: the model where it is asked for and
-    there is one; None where nothing is left to draft with (target-only)."""
-    free = {name: SOURCES[name].build(recent) for name in sources if name != MODEL}
+    there is one; None where nothing is left to draft with (target-only).
+    `grammar`: a structured output's GrammarCursor, which its sources draft under."""
+    inputs = SourceInputs(recent, grammar)
+    free = {name: SOURCES[name].build(inputs) for name in sources if name != MODEL}
     model = model if MODEL in sources else None
-    return Drafts(model, free) if model is not None or free else None
+    return Drafts(model, free, grammar) if model is not None or free else None

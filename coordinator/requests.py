@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from specdec.rpc.errors import InvalidArgument, clip
 from specdec.spec.limits import MAX_TOP_LOGPROBS, validate_token_ids
-from specdec.v1 import coordinator_pb2
+from specdec.spec.grammar import Constraint, GrammarCompiler
+from specdec.v1 import common_pb2, coordinator_pb2
 from specdec.spec.wire import sampling_from_proto
 
 from coordinator.engine import GenerationRequest, Update
@@ -128,8 +129,27 @@ def prompt_ids(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limi
     return ids
 
 
+def constraint_from_proto(msg: common_pb2.Constraint) -> Constraint | None:
+    """A request's constraint as asked (None: free text)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not msg.json_object:
+            raise InvalidArgument("sampling.constraint.json_object must be true (leave the constraint unset for "
+                                  "free text)", "sampling.constraint.json_object")
+        return Constraint("json_object")
+    if kind == "choice":
+        return Constraint("choice", choices=tuple(msg.choice.choices))
+    return Constraint(kind, getattr(msg, kind))
+
+
 def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limits,
-              speculation_available: bool) -> GenerationRequest:
+              speculation_available: bool, grammars: GrammarCompiler | None = None) -> GenerationRequest:
+    if request.sampling.constraint_fingerprint:
+        raise InvalidArgument("sampling.constraint_fingerprint is the coordinator's own (it fingerprints the "
+                              "compiled constraint); leave it empty and set sampling.constraint",
+                              "sampling.constraint_fingerprint")
     sampling = sampling_from_proto(request.sampling)
     max_new = request.max_new_tokens if request.HasField("max_new_tokens") else limits.default_max_new_tokens
     if max_new <= 0:
@@ -180,11 +200,22 @@ def to_domain(request: coordinator_pb2.GenerateRequest, tokenizer, limits: Limit
     # The frequency and presence penalties count output tokens only: from the prompt's end on,
     # in both model services' sessions (each holds the prompt's ids, then the output's).
     sampling = dataclasses.replace(sampling, penalty_start=len(ids))
+    # A structured output: compiled once, here (a bad one is refused before any session starts).
+    grammar = ""
+    constraint = constraint_from_proto(request.sampling.constraint)
+    if constraint is not None:
+        if request.ignore_eos:
+            raise InvalidArgument("ignore_eos cannot be combined with a constraint: the grammar ends the output "
+                                  "with EOS", "ignore_eos")
+        if grammars is None:
+            raise InvalidArgument("this server takes no constraints", "sampling.constraint")
+        compiled = grammars.compile(constraint)
+        grammar, sampling = compiled.grammar, dataclasses.replace(sampling, constraint=compiled.fingerprint)
     return GenerationRequest(tuple(ids), max_new, sampling, gamma, stop, adaptive, request.ignore_eos,
                              confidence_stop, PROPOSER_KINDS[request.speculation.proposer],
                              request.cache_salt.encode("utf-8"),
                              request.top_logprobs if request.logprobs else None,
-                             checked_sources(request.speculation.sources), free_only)
+                             checked_sources(request.speculation.sources), free_only, grammar)
 
 
 def prefix_salt(request_salt: bytes, caller: str, shared: bool) -> bytes:

@@ -2,6 +2,7 @@
 refuse to run unless their tokenizers are identical, then serve."""
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import uuid
@@ -15,6 +16,7 @@ from opentelemetry.trace import SpanKind
 
 from specdec.rpc import telemetry
 from specdec.rpc.errors import FailedPrecondition, ResourceExhausted, Unavailable, unavailable_message
+from specdec.spec.grammar import GrammarCompiler
 from specdec.spec.limits import MAX_PROPOSE_TOKENS
 from specdec.spec.proposers import MODEL
 from specdec.spec.proposers.drafts import Drafts
@@ -31,7 +33,7 @@ from coordinator.engine import GenerationRequest, SpeculativeEngine
 from coordinator.gamma import Acceptance, CostModel
 from coordinator.gamma.bound import describe as describe_bound, fixed_gamma
 from coordinator.metrics import Metrics
-from coordinator.proposers import KINDS, build, needs_drafter
+from coordinator.proposers import KINDS, build as build_drafts, needs_drafter
 from coordinator.settings import DEFAULT_DRAFT_TOP_K, DEFAULT_DRAFT_TOP_P, HttpLimits
 from coordinator.requests import (Limits, max_token_chars, prefix_salt, request_attributes, response_attributes,
                                   to_domain, update_to_proto)
@@ -139,6 +141,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             log.warning("the verifier runs the BENCHMARK SETTING --synthetic-acceptance %.2f: drafts are accepted at "
                         "that rate whatever the models say, so output is not the target's; every response's stats "
                         "carry synthetic_acceptance", target.synthetic_acceptance)
+        # Structured outputs: each request's constraint compiled once, here (specdec.spec.grammar).
+        self.grammars = GrammarCompiler(backends.tokenizer, tuple(target.eos_token_ids))
         self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids),
                                         self.metrics, on_proposer_failure=self._proposer_failed, cost=cost,
                                         synthetic_acceptance=target.synthetic_acceptance)
@@ -185,6 +189,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         # (and so its draws) come from its own tokens only.
         seeded = domain.sampling.seed is not None and not domain.sampling.greedy
         recent = None if seeded else self.recent_outputs(history)
+        # A structured output's grammar, as its free sources and lookups follow it.
+        grammar = self.grammars.cursor(domain.grammar, len(domain.prompt_ids)) if domain.grammar else None
+        build = functools.partial(build_drafts, grammar=grammar)
         if MODEL not in sources:
             return build(sources, None, recent), ""
         if self.backends.drafter is None:
@@ -206,7 +213,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         model = RemoteDraftProposer(self.backends.drafter, self.backends.target_info.tokenizer_fingerprint, timeout,
                                     self.config.drafter_timeout_s, self.config.draft_truncation,
                                     keep_alive_s=ttl / 4 if ttl > 0 else DEFAULT_KEEP_ALIVE_S,
-                                    is_up=lambda: self.backends.drafter_up, cache_salt=domain.cache_salt)
+                                    is_up=lambda: self.backends.drafter_up, cache_salt=domain.cache_salt,
+                                    grammar=(domain.grammar, len(domain.prompt_ids)))
         return build(sources, model, recent), ""
 
     def _proposer_failed(self, exc: ProposerUnavailable) -> None:
@@ -251,7 +259,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         # One trace per Generate, rooted here (or under the client's span if it sent W3C context).
         parent = propagate.extract({k: v for k, v in context.invocation_metadata() if isinstance(v, str)})
         with telemetry.tracer.start_as_current_span("generate", context=parent, kind=SpanKind.SERVER) as span:
-            domain = to_domain(request, self.backends.tokenizer, self.limits, self.limits.max_propose_tokens > 0)
+            domain = to_domain(request, self.backends.tokenizer, self.limits, self.limits.max_propose_tokens > 0,
+                               self.grammars)
             span.set_attributes(request_attributes(request, domain, self.backends.target_info.model,
                                                    self.backends.draft_info.model if self.backends.draft_info else ""))
 

@@ -11,7 +11,8 @@ from specdec.runtime.kv_pool import KVPool
 from specdec.runtime.models import LoadedModel
 from specdec.spec.types import Commit
 from specdec.spec.sampling import SamplingConfig
-from specdec.spec.transform import make_generator, scores_to_probs, transform_logits, uniform
+from specdec.spec.grammar import GrammarCursor
+from specdec.spec.transform import grammar_allowed, make_generator, scores_to_probs, transform_logits, uniform
 from specdec.spec.wire import DraftProbs, Truncation
 from specdec.spec.draft_probs import Drawn, draw, read_drawn
 
@@ -51,6 +52,9 @@ class DraftSession:
         self.round_base = len(self.seq)  # tokens before the last proposal
         self.round_drafted = 0           # tokens drafted in it, not yet committed
         self.generator: torch.Generator | None = None
+        # Structured output: drafts are drawn under the verifier's masks (specdec.spec.grammar);
+        # it follows the sequence's tokens, so commits and restores need nothing of it.
+        self.grammar: GrammarCursor | None = None
 
     def snapshot(self) -> tuple:
         return (self.seq.snapshot(), self.round_base, self.round_drafted,
@@ -110,18 +114,22 @@ class DraftSession:
         where the draft is unsure, the tokens after it are likely rejected. The
         rule only shortens the draft, so the verifier's output is unchanged."""
         self.check_room(len(self.seq), len(prefix) + num_tokens)
+        self._check_constraint(sampling)
         if self.generator is None and not sampling.greedy:
             self.generator = make_generator(sampling, "drafter", self.loaded.device)
         self.round_base = len(self.seq)
         self.seq.append(prefix)
-        if self.chain and not sampling.penalized:
+        if self.chain and not sampling.penalized and self.grammar is None:
             return (yield from self._chained(num_tokens, sampling, truncation, min_confidence, len(prefix)))
         draft_ids: list[int] = []
         entries: list[DraftProbs] = []
         confidences: list[float] = []
         for i in range(num_tokens):
+            if self._grammar_ended(draft_ids[-1:]):
+                break
             logits = yield from self.seq.step(draft_ids[-1:] if i else [], keep_last=1)  # [1, model_vocab]
-            scores = transform_logits(logits, self.seq.tokens, [], sampling, self.loaded.vocab_size)
+            scores = transform_logits(logits, self.seq.tokens, [], sampling, self.loaded.vocab_size,
+                                      self._allowed())
             if sampling.greedy:
                 token, confidence = greedy_draft(scores[0])
             else:
@@ -135,6 +143,27 @@ class DraftSession:
         self.seq.append(draft_ids[-1:])
         self.round_drafted = len(prefix) + len(draft_ids)
         return Draft(draft_ids, entries, confidences)
+
+    def _check_constraint(self, sampling: SamplingConfig) -> None:
+        if self.grammar is not None:
+            self.grammar.check(sampling.constraint)
+        elif sampling.constraint:
+            raise FailedPrecondition("the call samples under a constraint, but its session was started without one")
+
+    def _grammar_ended(self, pending: list[int]) -> bool:
+        """Whether the grammar admits nothing more after the sequence and `pending` (the
+        draft not fed yet): its end was drafted (an EOS), and the output ends there."""
+        if self.grammar is None:
+            return False
+        self.grammar.follow([*self.seq.tokens, *pending])
+        return self.grammar.stopped
+
+    def _allowed(self) -> torch.Tensor | None:
+        """[1, vocab] the grammar's mask after the sequence (None: no constraint)."""
+        if self.grammar is None:
+            return None
+        self.grammar.follow(self.seq.tokens)
+        return grammar_allowed([self.grammar.mask()], self.loaded.vocab_size)
 
     def _draw(self, scores: torch.Tensor, truncation: Truncation) -> Drawn:
         """A sampled draft token from [1, V] scores, with one uniform from the session's generator."""

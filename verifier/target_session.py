@@ -8,7 +8,7 @@ import secrets
 
 import torch
 
-from specdec.rpc.errors import InvalidArgument
+from specdec.rpc.errors import FailedPrecondition, InvalidArgument
 from specdec.runtime.device import HostCopy
 from specdec.runtime.sequence import SequenceCache, Steps, drive
 from specdec.runtime.kv_pool import KVPool
@@ -16,7 +16,8 @@ from specdec.runtime.models import LoadedModel
 from specdec.spec.types import RejectionOutput
 from specdec.spec.rejection import greedy_accept, rejection_sample, synthetic_num_accepted
 from specdec.spec.sampling import SamplingConfig, generator_seed, position_uniforms
-from specdec.spec.transform import sample_at, scores_to_probs, token_logprobs, transform_logits
+from specdec.spec.grammar import GrammarCursor
+from specdec.spec.transform import grammar_allowed, sample_at, scores_to_probs, token_logprobs, transform_logits
 
 
 class TargetSession:
@@ -35,6 +36,9 @@ class TargetSession:
         # of its own beside its token's (on a GPU, a wait for every kernel queued).
         self.seed: int | None = None
         self.synthetic: random.Random | None = None
+        # Structured output: the grammar every row is masked with (specdec.spec.grammar);
+        # it follows the sequence's tokens, so a rollback or a restore needs nothing of it.
+        self.grammar: GrammarCursor | None = None
 
     def snapshot(self) -> tuple:
         return self.seq.snapshot(), None if self.synthetic is None else self.synthetic.getstate()
@@ -64,6 +68,20 @@ class TargetSession:
         seed = self._seed(sampling)
         return torch.tensor([position_uniforms(seed, start + i) for i in range(count)], dtype=torch.float64)
 
+    def _allowed(self, sampling: SamplingConfig, row_tokens: list[int], rows: int) -> torch.Tensor | None:
+        """[rows, vocab] the grammar's masks after the sequence and each row token before
+        the row (None: no constraint). Checked before anything changes."""
+        if self.grammar is None:
+            if sampling.constraint:
+                raise FailedPrecondition("the call samples under a constraint, but its session was started "
+                                         "without one")
+            return None
+        self.grammar.check(sampling.constraint)
+        self.grammar.follow(self.seq.tokens)
+        if rows == 0:
+            return None
+        return grammar_allowed(self.grammar.row_masks(row_tokens, rows), self.loaded.vocab_size)
+
     def _check_room(self, new_tokens: int) -> None:
         if len(self.seq) + new_tokens > self.loaded.max_context:
             raise InvalidArgument(
@@ -83,11 +101,13 @@ class TargetSession:
         gamma = len(draft_token_ids)
         self._check_room(gamma + 1)
         base = len(self.seq)
+        # The grammar's mask of each row: row i after draft i - 1 (a forbidden draft ends them).
+        allowed = self._allowed(sampling, draft_token_ids, gamma + 1)
         # 1. Score: one forward over the uncached token(s) and the draft.
         logits = yield from self.seq.step(draft_token_ids, keep_last=gamma + 1)         # [gamma+1, model_vocab]
         # 2. The same transform as the drafter, row i seeing the history up to draft i.
         scores = transform_logits(logits, self.seq.tokens[:base], draft_token_ids, sampling,
-                                  self.loaded.vocab_size)                               # [gamma+1, vocab]
+                                  self.loaded.vocab_size, allowed)                      # [gamma+1, vocab]
         draft = torch.tensor(draft_token_ids, dtype=torch.long)                          # [gamma] on the host
         # 3. Accept / reject.
         if synthetic_acceptance:
@@ -118,12 +138,14 @@ class TargetSession:
         """Plain target-only decoding, a Forward step a token; stops after an EOS token.
         `logprobs` set: each token's `token_logprobs` row is appended to `logprobs_out`."""
         self._check_room(num_tokens)
-        if self.chain and not sampling.penalized and logprobs is None:
+        self._allowed(sampling, [], 0)   # the constraint checked before anything changes
+        if self.chain and not sampling.penalized and logprobs is None and self.grammar is None:
             return (yield from self._chained_decode(num_tokens, sampling))
         out: list[int] = []
         for _ in range(num_tokens):
             logits = yield from self.seq.step([], keep_last=1)
-            scores = transform_logits(logits, self.seq.tokens, [], sampling, self.loaded.vocab_size)
+            scores = transform_logits(logits, self.seq.tokens, [], sampling, self.loaded.vocab_size,
+                                      self._allowed(sampling, [], 1))
             if sampling.greedy:
                 token = int(scores[0].argmax())
             else:

@@ -15,6 +15,7 @@ from specdec.runtime.batching import CallStats, Scheduler, lean_batch_forward
 from specdec.runtime.device import DeviceMark
 from specdec.rpc.errors import InvalidArgument
 from specdec.runtime.cost_curve import CostCurve, LiveCurve, RowCost, gathered_cost, pinned_curve
+from specdec.spec.grammar import MAX_COMPILED_GRAMMAR_CHARS, GrammarCompiler, GrammarCursor
 from specdec.spec.limits import MAX_PROPOSE_TOKENS, validate_token_ids
 from specdec.runtime.sequence import PREFILL_CHUNK, Steps
 from specdec.runtime.kv_pool import KVPool
@@ -68,6 +69,8 @@ class ModelServiceBase(Generic[S]):
         self.scheduler = scheduler or new_scheduler(loaded)
         self.prefill_chunk = prefill_chunk
         self.prefix = prefix  # prompts' KV blocks kept for later sessions (None: off)
+        # Structured output: sessions' matchers, over this model's tokenizer (built on first use).
+        self.grammars = GrammarCompiler(loaded.tokenizer, loaded.eos_token_ids)
 
     def run_call(self, steps: Steps[T]) -> tuple[T, common_pb2.BatchStats]:
         """A call's steps through the scheduler: its forwards batched with other
@@ -135,15 +138,28 @@ class ModelServiceBase(Generic[S]):
                 f"{self.loaded.max_context}, leaving no room to generate")
         validate_token_ids(prompt, self.loaded.vocab_size, "prompt_token_ids")
         salt = check_salt(request.cache_salt)
+        grammar = self._grammar(request, len(prompt))
         reused = [0]
-        session = self.sessions.create(request.session_id, lambda: self._prefilled(prompt, salt, reused),
+        session = self.sessions.create(request.session_id, lambda: self._prefilled(prompt, salt, reused, grammar),
                                        owner=request.owner, lease_s=request.lease_s)
         return common_pb2.StartSessionResponse(
             session_id=request.session_id, cached_tokens=session.seq.cached,
             tokenizer_fingerprint=self.loaded.fingerprint, prefix_cached_tokens=reused[0])
 
-    def _prefilled(self, prompt: list[int], salt: bytes, reused: list[int]) -> S:
+    def _grammar(self, request, prompt_tokens: int) -> GrammarCursor | None:
+        """The session's grammar (structured output), built before anything else is."""
+        if not request.grammar:
+            return None
+        if len(request.grammar) > MAX_COMPILED_GRAMMAR_CHARS:
+            raise InvalidArgument(f"grammar has {len(request.grammar):,} characters; at most "
+                                  f"{MAX_COMPILED_GRAMMAR_CHARS:,}")
+        if request.grammar_start > prompt_tokens:
+            raise InvalidArgument(f"grammar_start={request.grammar_start} is past the prompt's {prompt_tokens} tokens")
+        return self.grammars.cursor(request.grammar, request.grammar_start)
+
+    def _prefilled(self, prompt: list[int], salt: bytes, reused: list[int], grammar: GrammarCursor | None) -> S:
         session = self._new_session(self.loaded, prompt, self.pool, prefill=False)
+        session.grammar = grammar
         session.seq.cache_salt = salt
         if self.prefix is not None:
             reused[0] = self.prefix.attach(session.seq, salt)

@@ -32,6 +32,7 @@ class SamplingConfig:
     frequency_penalty: float = 0.0    # 0 = off; OpenAI's, over the tokens from penalty_start on
     presence_penalty: float = 0.0     # 0 = off
     penalty_start: int = 0            # the output's first position (the prompt's length)
+    constraint: str = ""              # the fingerprint of the grammar sampled under ("": none; grammar.py)
 
     @property
     def additive_penalties(self) -> bool:
@@ -70,6 +71,9 @@ class SamplingConfig:
                                       f"(0 = off), got {value}", name)
         if self.penalty_start < 0:
             raise InvalidArgument(f"penalty_start must be >= 0, got {self.penalty_start}")
+        if len(self.constraint) > 64 or not all(c in "0123456789abcdef" for c in self.constraint):
+            raise InvalidArgument("constraint_fingerprint is the coordinator's: a grammar's hex fingerprint",
+                                  "constraint_fingerprint")
         return self
 
 

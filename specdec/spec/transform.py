@@ -35,10 +35,16 @@ def transform_logits(
     row_tokens: Sequence[int],        # [N-1 or N] token at each row (row i+1 sees row_tokens[:i+1])
     config: SamplingConfig,
     vocab_size: int,                  # tokenizer vocabulary; padded ids beyond it are masked
+    allowed: torch.Tensor | None = None,  # [N, vocab_size] bool: the grammar's masks (`grammar_allowed`)
 ) -> torch.Tensor:                    # [N, vocab_size] float32 scores (-inf where removed)
     n = logits.shape[0]
     assert logits.dim() == 2 and len(row_tokens) >= n - 1, (logits.shape, len(row_tokens))
     scores = logits[:, :vocab_size].float()
+    if allowed is not None:
+        # First, as vLLM applies its grammar bitmask: the penalties, the temperature and
+        # top-k/top-p then see only what the grammar allows (top-p could otherwise keep
+        # nothing the grammar allows).
+        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
     if not config.penalized and config.greedy:
         return scores
     penalty = config.repetition_penalty != 1.0
@@ -71,6 +77,24 @@ def transform_logits(
         if truncation:
             scores = truncation(torch.empty((n, 0), dtype=torch.long, device=scores.device), scores)
     return scores.float()
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def grammar_allowed(masks, vocab_size: int) -> torch.Tensor:
+    """[N] llguidance bitmasks (bytes; None: a row the grammar leaves free) -> [N, vocab_size]
+    bool, True where the token is allowed."""
+    rows = []
+    for mask in masks:
+        if mask is None:
+            rows.append(torch.ones(vocab_size, dtype=torch.bool))
+            continue
+        words = torch.frombuffer(bytearray(mask), dtype=torch.int32)
+        bits = ((words[:, None] >> _BITS) & 1).flatten().bool()
+        rows.append(bits[:vocab_size] if bits.numel() >= vocab_size else
+                    torch.cat([bits, torch.zeros(vocab_size - bits.numel(), dtype=torch.bool)]))
+    return torch.stack(rows)
 
 
 def _additive_penalties(scores: torch.Tensor, history: Sequence[int], row_tokens: Sequence[int],

@@ -64,6 +64,9 @@ class Lookup:
     token_ids: tuple[int, ...] = ()
     match_length: int = 0
     source: str = ""
+    # The grammar admits these tokens' text alone (proposers/grammar.py): kept unless the
+    # target writes the same text in other tokens.
+    forced: bool = False
 
 
 @dataclass(frozen=True)

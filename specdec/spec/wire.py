@@ -23,6 +23,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingConfig:
         frequency_penalty=float(msg.frequency_penalty) if msg.HasField("frequency_penalty") else 0.0,
         presence_penalty=float(msg.presence_penalty) if msg.HasField("presence_penalty") else 0.0,
         penalty_start=int(msg.penalty_start),
+        constraint=msg.constraint_fingerprint,
     ).validate()
 
 
@@ -37,6 +38,7 @@ def sampling_to_proto(config: SamplingConfig) -> common_pb2.SamplingParams:
     if config.presence_penalty:
         msg.presence_penalty = config.presence_penalty
     msg.penalty_start = config.penalty_start
+    msg.constraint_fingerprint = config.constraint
     return msg
 
 

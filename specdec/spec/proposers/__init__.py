@@ -39,10 +39,16 @@ class DraftSource(Protocol):
 
 
 @dataclass(frozen=True)
+class SourceInputs:
+    """What a request gives its free sources."""
+    recent: object = None     # the caller's recent outputs under its cache_salt (None: not shared)
+    grammar: object = None    # its structured output's GrammarCursor (None: free text)
+
+
+@dataclass(frozen=True)
 class SourceSpec:
     name: str
-    # Per request: (recent outputs of the caller's requests under its cache_salt, or None) -> the source
-    build: Callable[[object], DraftSource]
+    build: Callable[[SourceInputs], DraftSource]   # per request
     help: str = ""
 
 
@@ -61,6 +67,6 @@ def names() -> tuple[str, ...]:
     return (*SOURCES, MODEL)
 
 
-BUILT_IN = ("ngram",)  # the modules that register this package's sources
+BUILT_IN = ("ngram", "grammar")  # the modules that register this package's sources
 for _module in BUILT_IN:
     importlib.import_module(f"{__name__}.{_module}")

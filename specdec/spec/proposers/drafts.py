@@ -12,6 +12,7 @@ fed in its next forward (a few more rows, not a step per token).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping, Sequence
 
 from specdec.spec.proposers import MODEL, DraftSource
@@ -21,9 +22,10 @@ from specdec.spec.types import Commit, Lookup, Proposal, runs
 
 
 class Drafts:
-    def __init__(self, model: ModelProposer | None, sources: Mapping[str, DraftSource] = {}):
+    def __init__(self, model: ModelProposer | None, sources: Mapping[str, DraftSource] = {}, grammar=None):
         self.model = model                    # None: free sources alone
         self.sources = dict(sources)          # name -> this request's free source
+        self.grammar = grammar                # a structured output's GrammarCursor: lookups are cut by it
         self.prompt_length = 0
         self._context: Sequence[int] = ()     # the context of the latest round (it only grows)
         self._model_commit: Commit | None = None  # what the model has not been told yet
@@ -56,13 +58,20 @@ class Drafts:
             self.model.keep_alive()
 
     def candidates(self, context: Sequence[int], max_tokens: int) -> list[Lookup]:
-        """Each free source's candidate for the round after `context`, named by source."""
+        """Each free source's candidate for the round after `context`, named by source;
+        under a grammar, each cut before the first token it forbids (such a token
+        would be rejected, and the drafter could not draft after it)."""
         self._context = context
+        if self.grammar is not None:
+            self.grammar.follow(context)
         found = []
         for name, source in self.sources.items():
             lookup = source.propose(context, max_tokens)
-            if lookup.token_ids:
-                found.append(Lookup(tuple(lookup.token_ids[:max_tokens]), lookup.match_length, name))
+            tokens = tuple(lookup.token_ids[:max_tokens])
+            if self.grammar is not None and not lookup.forced:
+                tokens = tokens[:self.grammar.valid_prefix(tokens)]
+            if tokens:
+                found.append(replace(lookup, token_ids=tokens, source=name))
         return found
 
     def free_only(self) -> "Drafts | None":

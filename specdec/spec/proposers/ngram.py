@@ -132,5 +132,5 @@ class NgramSource:
             self.recent.add(output_ids)
 
 
-register(SourceSpec(NGRAM, NgramSource, help="n-gram lookups in the prompt, the output and the caller's recent "
+register(SourceSpec(NGRAM, lambda inputs: NgramSource(inputs.recent), help="n-gram lookups in the prompt, the output and the caller's recent "
                                                "outputs"))
