@@ -138,9 +138,9 @@ class SpeculativeEngine:
         #    time: on the same cores each model's thread team oversubscribed them (the
         #    default pair's speculative prefill took a median 2.9 s on Spec-Bench
         #    against 0.69 s for the target's alone).
+        grammar = (g.request.grammar, len(g.request.prompt_ids)) if g.request.grammar else ()  # from the output on
         g.stats.prefix_cached_tokens = self.verifier.start_session(
-            g.session_id, g.request.prompt_ids, g.timeout(), g.request.cache_salt, g.request.grammar,
-            len(g.request.prompt_ids))
+            g.session_id, g.request.prompt_ids, g.timeout(), g.request.cache_salt, *grammar)
         self.metrics.observe_prefix("target", len(g.request.prompt_ids), g.stats.prefix_cached_tokens)
         # The session caches all but the prompt's last token; the forward over it is the
         # rest of the prefill, and its token is the first (not a round), speculating or not.

@@ -34,7 +34,7 @@ from specdec.rpc.errors import InvalidArgument, SpecdecError, Unavailable, clip,
 from specdec.rpc.security import ServerTls
 
 from coordinator.http_limits import Guard, protocol_for
-from coordinator.openai_api import Reply, error_body, to_generate
+from coordinator.openai_api import Reply, constraint_of, error_body, to_generate
 from coordinator.openai_schema import ChatRequest, CompletionRequest, http_param, parse
 from coordinator.requests import update_to_proto
 from coordinator.settings import HttpLimits
@@ -65,12 +65,14 @@ class HttpCall:
         return not self.gone.is_set()
 
 
-def _error(exc: BaseException) -> JSONResponse:
+def _error(exc: BaseException, body=None) -> JSONResponse:
     """Any failure as OpenAI's error; an unexpected one with an error id to report,
-    its traceback in the log under it, never to the client."""
+    its traceback in the log under it, never to the client. `body`: the request, once
+    parsed (its structured output's field is what a constraint's error names)."""
     param = None
     if isinstance(exc, SpecdecError):
-        code, message, param = exc.code, str(exc), http_param(exc.param)
+        asked = constraint_of(body) if body is not None and exc.param else None
+        code, message, param = exc.code, str(exc), http_param(exc.param, asked[0] if asked else None)
     elif isinstance(exc, grpc.RpcError):
         code = exc.code()
         message = public_message("verifier", code, exc.details() or "")
@@ -157,7 +159,7 @@ def build_app(servicer, model: str, serving: threading.Event | None = None) -> F
         except BaseException as exc:
             watcher.cancel()
             await step.close()
-            return _error(exc)
+            return _error(exc, body)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_events(first, step, reply, call, include_usage, generate.logprobs),

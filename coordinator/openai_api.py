@@ -14,13 +14,14 @@ in a `specdec` field beside `usage`.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
-from specdec.rpc.errors import NotFound, clip
+from specdec.rpc.errors import InvalidArgument, NotFound, clip
 from specdec.spec.sampling import SamplingConfig
 from specdec.spec.wire import sampling_to_proto
 from specdec.v1 import common_pb2, coordinator_pb2 as pb
@@ -66,6 +67,53 @@ def _sampling(request: OpenAIRequest) -> common_pb2.SamplingParams:
         presence_penalty=request.presence_penalty or 0.0))
 
 
+def constraint_of(request: OpenAIRequest) -> tuple[str, common_pb2.Constraint] | None:
+    """The one constraint a request's structured-output fields ask for, and the field
+    that asked (what an error in it names); None: free text."""
+    asked: list[tuple[str, common_pb2.Constraint]] = []
+
+    def json_schema(param: str, schema) -> None:
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        asked.append((param, common_pb2.Constraint(json_schema=text)))
+
+    fmt = request.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(("response_format", common_pb2.Constraint(json_object=True)))
+    elif fmt is not None and fmt.type == "json_schema":
+        json_schema("response_format.json_schema.schema", fmt.json_schema.schema_)
+    so = request.structured_outputs
+    if so is not None:
+        for name in ("json_", "json_object", "regex", "choice", "grammar"):
+            value = getattr(so, name)
+            if value is None or value is False and name == "json_object":
+                continue
+            param = f"structured_outputs.{name.rstrip('_')}"
+            if name == "json_":
+                json_schema(param, value)
+            elif name == "json_object":
+                asked.append((param, common_pb2.Constraint(json_object=True)))
+            elif name == "choice":
+                asked.append((param, common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=value))))
+            else:
+                asked.append((param, common_pb2.Constraint(**{name: value})))
+        if not any(param.startswith("structured_outputs") for param, _ in asked):
+            raise InvalidArgument("structured_outputs: set one of json, json_object, regex, choice or grammar",
+                                  "structured_outputs")
+    if request.guided_json is not None:
+        json_schema("guided_json", request.guided_json)
+    if request.guided_regex is not None:
+        asked.append(("guided_regex", common_pb2.Constraint(regex=request.guided_regex)))
+    if request.guided_choice is not None:
+        asked.append(("guided_choice", common_pb2.Constraint(choice=common_pb2.ChoiceList(
+            choices=request.guided_choice))))
+    if request.guided_grammar is not None:
+        asked.append(("guided_grammar", common_pb2.Constraint(grammar=request.guided_grammar)))
+    if len(asked) > 1:
+        raise InvalidArgument(f"{' and '.join(param for param, _ in asked)} each ask for a structured output; "
+                              "send one", asked[1][0])
+    return asked[0] if asked else None
+
+
 def to_generate(request: OpenAIRequest, served_model: str) -> pb.GenerateRequest:
     """The GenerateRequest that asks for what `request` (validated by openai_schema.parse)
     asks: every value within its proto field's range (InvalidArgument, NotFound otherwise)."""
@@ -74,6 +122,9 @@ def to_generate(request: OpenAIRequest, served_model: str) -> pb.GenerateRequest
                        "model")
     out = pb.GenerateRequest(sampling=_sampling(request), ignore_eos=request.ignore_eos,
                              cache_salt=request.cache_salt or "")
+    constraint = constraint_of(request)
+    if constraint is not None:
+        out.sampling.constraint.CopyFrom(constraint[1])
     max_tokens = request.max_completion_tokens if isinstance(request, ChatRequest) and \
         request.max_completion_tokens is not None else request.max_tokens
     if max_tokens is not None:

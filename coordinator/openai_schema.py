@@ -45,7 +45,7 @@ MAX_COMPLETION_LOGPROBS = 5    # completions' `logprobs` (chat's top_logprobs: G
 MAX_NAME_CHARS = 256           # a model's or a draft source's name
 # Fields the service does not do, and the values at which they change nothing: taken there, refused elsewhere.
 NO_OP: dict[str, tuple] = {
-    "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],),
+    "logit_bias": ({},), "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "parallel_tool_calls": (True, False),
     "modalities": (["text"],), "suffix": ("",), "echo": (False,), "best_of": (1,), "n": (1,),
     "min_p": (0, 0.0), "stop_token_ids": ([],), "min_tokens": (0,),
@@ -108,6 +108,40 @@ class Message(_Strict):
         return "".join(texts)
 
 
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Name
+    description: Text | None = None
+    schema_: dict[str, Any] | StrictBool = Field(alias="schema")
+    strict: StrictBool | None = None   # taken either way: the schema is always enforced (a grammar)
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: one of its constraints (its backend options are not taken)."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | Text | StrictBool | None = Field(default=None, alias="json")
+    json_object: StrictBool | None = None
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+
+
 class OpenAIRequest(_Strict):
     """What chat and completions requests share."""
     model: Name | None = None
@@ -125,6 +159,14 @@ class OpenAIRequest(_Strict):
     ignore_eos: StrictBool = False
     cache_salt: Text | None = None
     speculation: Speculation | None = None
+    # Structured outputs (one of them): OpenAI's response_format, vLLM's structured_outputs
+    # and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | Text | StrictBool | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    guided_grammar: Text | None = None
     # Accepted, changing nothing here.
     user: Text | None = None
     metadata: dict[str, Text] | None = None
@@ -153,7 +195,6 @@ class ChatRequest(OpenAIRequest):
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_NEW_TOKENS)] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -228,9 +269,12 @@ def parse(model: type[OpenAIRequest], data: Any) -> OpenAIRequest:
         raise InvalidArgument(f"{where or 'the request'}: {message}{given}", where) from None
 
 
-def http_param(param: str | None) -> str | None:
-    """The gRPC API's name of a field as OpenAI's request calls it."""
+def http_param(param: str | None, constraint: str | None = None) -> str | None:
+    """The gRPC API's name of a field as OpenAI's request calls it; `constraint`: the
+    field the request's structured output came from (sampling.constraint's name here)."""
     if param is None:
         return None
+    if constraint and param.startswith("sampling.constraint"):
+        return constraint
     head, dot, rest = param.partition(".")
     return HTTP_NAMES.get(head, head) + dot + rest

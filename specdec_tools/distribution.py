@@ -8,20 +8,30 @@ import collections
 import torch
 
 from specdec.spec.sampling import SamplingConfig
-from specdec.spec.transform import scores_to_probs, transform_logits
+from specdec.spec.transform import grammar_allowed, scores_to_probs, transform_logits
 from specdec.v1 import coordinator_pb2 as pb
 
 
-def exact_first_two_token_distribution(loaded, prompt_ids: list[int], sampling: SamplingConfig) -> tuple[dict, dict]:
-    """P(x1) and P(x1, x2) of target-only sampling, from the target model itself."""
+def exact_first_two_token_distribution(loaded, prompt_ids: list[int], sampling: SamplingConfig,
+                                       grammar=None) -> tuple[dict, dict]:
+    """P(x1) and P(x1, x2) of target-only sampling, from the target model itself;
+    under a structured output's grammar (a GrammarCursor from the prompt's end) if given."""
+    def allowed(tokens: list[int]):
+        if grammar is None:
+            return None
+        grammar.follow(tokens)
+        return grammar_allowed(grammar.row_masks([], 1), loaded.vocab_size)
+
     with torch.inference_mode():
         logits = loaded.model(input_ids=torch.tensor([prompt_ids], device=loaded.device)).logits[0, -1:]
-        p1 = scores_to_probs(transform_logits(logits, prompt_ids, [], sampling, loaded.vocab_size))[0]
+        p1 = scores_to_probs(transform_logits(logits, prompt_ids, [], sampling, loaded.vocab_size,
+                                              allowed(prompt_ids)))[0]
         support = p1.nonzero()[:, 0].tolist()
         batch = torch.tensor([prompt_ids + [x] for x in support], device=loaded.device)
         logits2 = loaded.model(input_ids=batch).logits[:, -1]
         p2 = torch.stack([scores_to_probs(transform_logits(logits2[i : i + 1], prompt_ids + [x], [], sampling,
-                                                           loaded.vocab_size))[0] for i, x in enumerate(support)])
+                                                           loaded.vocab_size, allowed(prompt_ids + [x])))[0]
+                          for i, x in enumerate(support)])
     # EOS ends a generation and is not returned, so all EOS ids are one outcome.
     eos = set(loaded.eos_token_ids)
     label = lambda t: "EOS" if t in eos else t  # noqa: E731

@@ -139,7 +139,7 @@ def test_plain_http_streams_server_sent_events_to_done(front):
     (dict(top_logprobs=21, logprobs=True), openai.BadRequestError, "top_logprobs", "top_logprobs"),
     (dict(extra_body={"speculation": {"proposer": "oracle"}}), openai.BadRequestError, "proposer",
      "speculation.proposer"),
-    (dict(extra_body={"speculation": {"sources": ["eagle"]}}), openai.BadRequestError, "from ngram, model",
+    (dict(extra_body={"speculation": {"sources": ["eagle"]}}), openai.BadRequestError, "from ngram, grammar, model",
      "speculation.sources"),
     (dict(messages=[]), openai.BadRequestError, "messages", "messages"),
     (dict(extra_body={"min_p": 0.05}), openai.BadRequestError, "min_p", "min_p"),

@@ -13,6 +13,7 @@ from coordinator.requests import PROPOSER_KINDS
 from coordinator.settings import SETTINGS
 from specdec.rpc.errors import InvalidArgument
 from specdec.spec import proposers
+from specdec.spec.proposers.grammar import GRAMMAR
 from specdec.spec.proposers import MODEL, SourceSpec
 from specdec.spec.proposers.ngram import NGRAM, NgramSource, RecentOutputs
 from specdec.spec.types import Lookup
@@ -58,7 +59,7 @@ def test_each_kind_builds_its_drafts_from_what_the_coordinator_has(repeat_source
     recent, model = RecentOutputs(64), object()
     hybrid = build(KINDS["hybrid"].sources(), model, recent)
     # Every registered free source, the one registered after the kinds were declared too.
-    assert hybrid.model is model and set(hybrid.sources) == {NGRAM, "repeat"}
+    assert hybrid.model is model and set(hybrid.sources) == {NGRAM, GRAMMAR, "repeat"}
     assert isinstance(hybrid.sources[NGRAM], NgramSource) and hybrid.sources[NGRAM].recent is recent
     assert build(KINDS["model"].sources(), model, recent).sources == {}
     assert build(KINDS["model"].sources(), None, recent) is None           # nothing left: target-only
@@ -72,7 +73,7 @@ def test_each_kind_builds_its_drafts_from_what_the_coordinator_has(repeat_source
 def test_a_request_names_its_sources_from_the_registry(repeat_source):
     assert checked_sources(["repeat", MODEL]) == ("repeat", MODEL)
     for wrong in (["suffix_tree"], [NGRAM, NGRAM]):
-        with pytest.raises(InvalidArgument, match="name each source once, from ngram, repeat, model"):
+        with pytest.raises(InvalidArgument, match="name each source once, from ngram, grammar, repeat, model"):
             checked_sources(wrong)
     with pytest.raises(ValueError, match="a name of its own"):
         proposers.register(SourceSpec(MODEL, RepeatLast))
@@ -112,7 +113,7 @@ def test_a_registered_toy_source_drafts_end_to_end_losslessly(stack, repeat_sour
 def test_an_unknown_source_is_refused_with_the_registrys_names(stack):
     error = rpc_error(stack.coordinator_stub.Generate, pb.GenerateRequest(
         prompt="hi", max_new_tokens=4, speculation=pb.Speculation(sources=["eagle"])), timeout=30)
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "from ngram, model" in error.details()
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "from ngram, grammar, model" in error.details()
 
 
 def test_a_kind_that_needs_the_drafter_is_refused_where_there_is_none(stack):

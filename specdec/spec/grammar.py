@@ -121,10 +121,14 @@ class GrammarCompiler:
         # first states): a grammar that is slow there is refused here, once, rather
         # than in both services' first steps; one that admits nothing, too.
         matcher = self.matcher(grammar)
-        first = matcher.compute_ff_tokens()
-        if matcher.is_error() or (not first and not any(matcher.compute_bitmask())):
-            raise InvalidArgument(f"{param}: the {constraint.kind} admits no output: "
-                                  f"{clip(matcher.get_error() or 'no token is allowed at the start', 400)}", param)
+        mask = bytearray(matcher.compute_bitmask())
+        for eos in self._eos:   # an output of EOS alone is no output
+            if eos >> 5 < len(mask) // 4:
+                mask[(eos >> 5) * 4 + (eos & 31) // 8] &= ~(1 << (eos & 7)) & 0xFF
+        if matcher.is_error() or not any(mask):
+            raise InvalidArgument(f"{param}: the {constraint.kind} admits no output (nothing but the empty "
+                                  f"string){': ' + _first_line(matcher.get_error()) if matcher.is_error() else ''}",
+                                  param)
         compile_s = time.perf_counter() - started
         if compile_s > COMPILE_BUDGET_S:
             raise InvalidArgument(f"{param}: the {constraint.kind} took {compile_s:.1f} s to compile, over the "
@@ -211,7 +215,7 @@ class GrammarCursor:
     def _consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
             raise FailedPrecondition(f"token {token} breaks the request's grammar at output position "
-                                     f"{len(self.consumed)}: {clip(self.matcher.get_error(), 300)}")
+                                     f"{len(self.consumed)}: {_first_line(self.matcher.get_error())}")
         self.consumed.append(token)
 
     def mask(self) -> bytes:
@@ -257,6 +261,11 @@ class GrammarCursor:
     def forced(self) -> list[int]:
         """The tokens the grammar admits alone from the current state (llguidance's fast-forward)."""
         return [] if self.matcher.is_stopped() else list(self.matcher.compute_ff_tokens())
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state it appends."""
+    return clip(error.split("\n<state>")[0].strip(), 300)
 
 
 def allows(mask: bytes, token: int) -> bool:
