@@ -98,15 +98,21 @@ def cases() -> list[Case]:
         out.append(Case(f"completions body {body!r}", COMPLETIONS, body))
     # 4. Fields that change the output and are not done: refused, naming them.
     for name, value in (("min_p", 0.1), ("stop_token_ids", list(range(512))), ("allowed_token_ids", [1, 2]),
-                        ("min_tokens", 5), ("prompt_logprobs", 1), ("guided_regex", "[a-d]{2}"),
-                        ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]),
-                        ("guided_grammar", "root ::= \"a\""), ("structured_outputs", {"regex": "a"}),
+                        ("min_tokens", 5), ("prompt_logprobs", 1), ("guided_decoding_backend", "xgrammar"),
                         ("bad_words", ["x"]), ("truncate_prompt_tokens", 4), ("include_stop_str_in_output", True),
                         ("skip_special_tokens", False), ("length_penalty", 2.0), ("use_beam_search", True),
-                        ("best_of", 2), ("logit_bias", {"1": 5}), ("response_format", {"type": "json_object"}),
+                        ("best_of", 2), ("logit_bias", {"1": 5}),
                         ("tools", [{"type": "function", "function": {"name": "f"}}]), ("no_such_field", 1),
                         ("prediction", {"type": "content", "content": "x"})):
         both(f"{name} set", param=True, **{name: value})
+    # Structured outputs that cannot be: refused, naming the field they came in.
+    for name, value in (("guided_regex", "[a-"), ("guided_json", {"type": "strin"}), ("guided_choice", []),
+                        ("guided_grammar", "start: foo"), ("structured_outputs", {"regex": "a", "backend": "x"}),
+                        ("structured_outputs", {}), ("response_format", {"type": "json_schema"}),
+                        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}),
+                        ("response_format", {"type": "yaml"})):
+        both(f"{name}={json.dumps(value)[:40]}", param=True, **{name: value})
+    both("two structured outputs", param=True, guided_regex="a", response_format={"type": "json_object"})
     out.append(Case("completions echo=true", COMPLETIONS, comp(echo=True), param=True))
     out.append(Case("completions suffix='x'", COMPLETIONS, comp(suffix="x"), param=True))
     # 5. No-op values: taken.
@@ -114,6 +120,14 @@ def cases() -> list[Case]:
                         ("stop_token_ids", []), ("best_of", 1), ("metadata", {}), ("store", False),
                         ("service_tier", "auto")):
         both(f"{name}={value!r} (no-op)", expect="2xx", **{name: value})
+    # Structured outputs, each way of asking: taken.
+    for name, value in (("guided_regex", "[a-d]{2}"), ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]),
+                        ("guided_grammar", "root ::= \"a\""), ("structured_outputs", {"regex": "a"}),
+                        ("structured_outputs", {"choice": ["x", "y"]}), ("response_format", {"type": "json_object"}),
+                        ("response_format", {"type": "json_schema", "json_schema": {
+                            "name": "n", "strict": True, "schema": {"type": "object", "properties": {
+                                "n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}}})):
+        both(f"{name}={json.dumps(value)[:40]}", expect="2xx", **{name: value})
     for name, value in (("response_format", {"type": "text"}), ("tool_choice", "none"), ("tools", []),
                         ("parallel_tool_calls", False), ("modalities", ["text"])):
         out.append(Case(f"chat {name}={value!r} (no-op)", CHAT, chat(**{name: value}), "2xx"))

@@ -6,11 +6,14 @@ whether speculating or not, and a client that goes away freeing its sessions."""
 from __future__ import annotations
 
 import json
+import re
 import time
+from typing import Literal
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 import drafter.service
 import verifier.service
@@ -228,3 +231,58 @@ def test_a_client_that_goes_away_frees_its_sessions(front):
     while active() and time.monotonic() - left < 10:
         time.sleep(0.01)
     assert active() == 0 and time.monotonic() - left < whole_s / 2, (time.monotonic() - left, whole_s)
+
+
+class Verdict(BaseModel):
+    verdict: Literal["yes", "no"]
+    confidence: int = Field(ge=0, le=9)
+    reasons: list[Literal["cost", "speed", "risk"]] = Field(max_length=2)
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_the_openai_clients_parse_returns_the_pydantic_object(client, speculate):
+    extra = {} if speculate else TARGET_ONLY
+    for seed in range(3):
+        completion = client.beta.chat.completions.parse(
+            model=model_name(client), messages=MESSAGES, response_format=Verdict, max_tokens=64, temperature=0.8,
+            seed=seed, extra_body=extra)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Verdict), choice
+        assert Verdict.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+@pytest.mark.parametrize("extra, matches", [
+    ({"guided_regex": "[a-d]{2}"}, lambda text: re.fullmatch("[a-d]{2}", text)),
+    ({"guided_choice": ["red", "green"]}, lambda text: text in ("red", "green")),
+    ({"structured_outputs": {"choice": ["up", "down"]}}, lambda text: text in ("up", "down")),
+    ({"structured_outputs": {"regex": "[0-9]{3}"}}, lambda text: re.fullmatch("[0-9]{3}", text)),
+    ({"guided_grammar": 'root ::= "a" | "b" "c"'}, lambda text: text in ("a", "bc")),
+    ({"guided_json": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}, "required": ["n"],
+                      "additionalProperties": False}}, lambda text: set(json.loads(text)) == {"n"}),
+])
+def test_vllms_structured_output_fields_constrain_chat_and_completions_streamed_or_not(client, extra, matches):
+    model = model_name(client)
+    for stream in (False, True):
+        chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=40, temperature=0,
+                                              extra_body=extra, stream=stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chat) if stream else chat.choices[0].message.content
+        assert matches(text), (extra, text)
+        completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=40, temperature=0,
+                                               extra_body=extra, stream=stream)
+        text = "".join(c.choices[0].text for c in completion) if stream else completion.choices[0].text
+        assert matches(text), (extra, text)
+
+
+def test_a_constraints_error_names_the_field_it_came_in(client):
+    for extra, param, says in (
+            ({"guided_regex": "[a-"}, "guided_regex", "does not compile"),
+            ({"structured_outputs": {"json": {"type": "strin"}}}, "structured_outputs.json", "invalid JSON schema"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "object", "properties": {"a": {"type": "string", "format": "nope"}}}}}},
+             "response_format.json_schema.schema", "Unknown format"),
+            ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "send one")):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(model=model_name(client), messages=MESSAGES, max_tokens=4,
+                                           extra_body=extra)
+        body = raised.value.body
+        assert body["param"] == param and says in body["message"], body

@@ -257,8 +257,11 @@ def test_no_op_values_of_fields_not_done_change_nothing(front, extra):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"min_p": 0.1}, "min_p"), ({"stop_token_ids": [0, 1, 2]}, "stop_token_ids"), ({"guided_regex": "[a-d]{2}"},
-                                                                                   "guided_regex"),
+    ({"min_p": 0.1}, "min_p"), ({"stop_token_ids": [0, 1, 2]}, "stop_token_ids"), ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "response_format.json_schema.schema"),
+    ({"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern"),
     ({"stream": "yes"}, "stream"), ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
     ({"stop": ["ok", "\ud800"]}, "stop[1]"), ({"max_tokens": 2**31}, "max_tokens"), ({"seed": 2**64}, "seed"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
