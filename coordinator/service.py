@@ -143,6 +143,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                         "carry synthetic_acceptance", target.synthetic_acceptance)
         # Structured outputs: each request's constraint compiled once, here (specdec.spec.grammar).
         self.grammars = GrammarCompiler(backends.tokenizer, tuple(target.eos_token_ids))
+        self.grammars.prepare_in_background()
         self.engine = SpeculativeEngine(backends.verifier, backends.tokenizer, tuple(target.eos_token_ids),
                                         self.metrics, on_proposer_failure=self._proposer_failed, cost=cost,
                                         synthetic_acceptance=target.synthetic_acceptance)

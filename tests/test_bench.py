@@ -258,3 +258,24 @@ def test_each_system_runs_first_and_after_each_other_system_equally_often(n):
     follows = Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
     assert len(set(firsts.values())) == 1 and len(firsts) == n
     assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1, follows
+
+
+@integration
+def test_bench_structured_on_the_tiny_pair(tmp_path):
+    out = tmp_path / "out"
+    assert bench.main(["--structured", "--pair", "tiny", "--per-kind", "1", "--temperatures", "0",
+                       "--max-new-tokens", "24", "--out", str(out)]) == 0
+    report = json.loads((out / "structured.json").read_text())
+    runs = report["runs"]
+    assert {r["kind"] for r in runs} == {"json", "choice", "regex"}
+    assert {r["system"] for r in runs} == {"spec-auto", "target-only"} and len(runs) == 6
+    # Every output satisfies its constraint, or ended by length; speculating changed no token.
+    assert all(r["valid"] or r["finish"] == "length" for r in runs)
+    by = {(r["system"], r["task_id"]): r for r in runs}
+    assert all(by["spec-auto", t]["token_ids"] == by["target-only", t]["token_ids"] for _, t in by)
+    for row in report["summary"]:           # the report's columns are the raw runs' own
+        mine = [r for r in runs if r["system"] == row["system"] and r["kind"] == row["kind"]]
+        assert row["forced_share"] == pytest.approx(sum(r["forced"] for r in mine) / sum(r["new_tokens"] for r in mine))
+        assert row["identical"] == 1
+    assert report["meta"]["compile_ms_median"] > 0 and all(c >= 1.0 for c in report["meta"]["ceiling"].values())
+    assert "| json | 0 | spec-auto |" in (out / "structured.md").read_text()

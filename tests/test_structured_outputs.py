@@ -179,3 +179,27 @@ def test_a_service_refuses_a_call_under_another_constraint_than_its_sessions(sta
     finally:
         stack.verifier_stub.EndSession(common_pb2.EndSessionRequest(session_id="s1"))
     assert wait_for(lambda: stack.verifier_stub.Info(common_pb2.InfoRequest()).active_sessions == 0, 5)
+
+
+def test_the_cursor_follows_any_rollback_and_masks_rows_after_each_draft_token(tiny_target):
+    compiler = GrammarCompiler(tiny_target.tokenizer, tiny_target.eos_token_ids)
+    grammar = compiler.compile(Constraint("choice", choices=("abab", "abcd", "dddd"))).grammar
+    encode = lambda text: tiny_target.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    prompt = encode("q:")
+    cursor, fresh = compiler.cursor(grammar, len(prompt)), compiler.cursor(grammar, len(prompt))
+    for output in ("ab", "abc", "a", "dd", "abab", ""):       # forward, back, sideways: as KV rollbacks go
+        cursor.follow(prompt + encode(output))
+        fresh.matcher.reset()
+        fresh.consumed.clear()
+        fresh.follow(prompt + encode(output))
+        assert cursor.consumed == fresh.consumed and cursor.mask() == fresh.mask(), output
+    cursor.follow(prompt)
+    draft = encode("abcd")
+    masks = cursor.row_masks(draft + encode("x"), len(draft) + 2)
+    assert cursor.consumed == [] and cursor.mask() == masks[0]       # the matcher is left where it was
+    for i in range(1, len(draft) + 1):                                # row i: after draft[:i]
+        fresh.follow(prompt + draft[:i])
+        assert masks[i] == fresh.mask(), i
+    assert masks[-1] is None        # x, drafted where the grammar allows EOS alone, is forbidden
+    bad = cursor.row_masks(encode("zz"), 3)
+    assert bad[0] is not None and bad[1:] == [None, None]            # a forbidden draft: no row after it is read

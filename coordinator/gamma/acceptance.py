@@ -138,8 +138,10 @@ def match_bucket(match_length: int) -> int:
     return max(i for i, low in enumerate(MATCH_BUCKETS) if match_length >= low or i == 0)
 
 
-def lookup_acceptances() -> list[Acceptance]:
-    return [Acceptance(alpha=prior, count=5.0) for prior in LOOKUP_PRIORS]
+def lookup_acceptances(prior: float | None = None) -> list[Acceptance]:
+    """[match bucket] a free source's acceptance before any is measured: its own prior
+    where it registered one (a grammar's forced tokens), else the lookups' by match length."""
+    return [Acceptance(alpha=prior if prior is not None else by_match, count=5.0) for by_match in LOOKUP_PRIORS]
 
 
 def cumulative(acceptance: Sequence[float]) -> list[float]:

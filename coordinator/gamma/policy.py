@@ -45,6 +45,12 @@ class Plan:
         return sum(n for _, n in self.sources)
 
 
+def source_prior(name: str) -> float | None:
+    """The acceptance prior a free source registered (None: the lookups' by match length)."""
+    spec = SOURCES.get(name)
+    return spec.prior if spec is not None else None
+
+
 @dataclass
 class ControllerState:
     acceptance: Acceptance = field(default_factory=Acceptance)   # the model's drafts
@@ -63,7 +69,7 @@ class ControllerState:
 
     def lookups(self, source: str) -> list[Acceptance]:
         """[match bucket] what `source`'s drafts showed (the priors, before any)."""
-        return self.lookup.get(source) or lookup_acceptances()
+        return self.lookup.get(source) or lookup_acceptances(source_prior(source))
 
 
 class GammaController:
@@ -299,7 +305,8 @@ class GammaController:
             if drafted:
                 step = state.cost.verify_ms(0)
                 rows_cost = (state.cost.verify_ms(drafted) - step) / step if step > 0 else 0.0
-                state.lookup.setdefault(name, lookup_acceptances())[match_bucket(round.lookup_match)].observe(
+                state.lookup.setdefault(name, lookup_acceptances(source_prior(name)))[
+                    match_bucket(round.lookup_match)].observe(
                     drafted, accepted)
             before = state.lookup_yield.get(name, 1.0)
             state.lookup_yield[name] = before + 0.1 * (accepted - rows_cost - before)

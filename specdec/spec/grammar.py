@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 from specdec.rpc.errors import FailedPrecondition, InvalidArgument, clip
 
+log = logging.getLogger("specdec.grammar")
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_CONSTRAINT_BYTES = 128 << 10      # a schema, regex or grammar; the request is capped at 4 MiB
 MAX_CHOICES = 4096
@@ -84,13 +87,22 @@ class GrammarCompiler:
         self._hf = tokenizer
         self._eos = list(eos_token_ids)
         self._tokenizer = None    # llguidance's, built on first use (about a second for a 150k vocabulary)
+        self._lock = threading.Lock()
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            from llguidance.hf import from_tokenizer
-            self._tokenizer = from_tokenizer(self._hf, eos_token=self._eos)
-        return self._tokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                from llguidance.hf import from_tokenizer
+                started = time.perf_counter()
+                self._tokenizer = from_tokenizer(self._hf, eos_token=self._eos)
+                log.info("grammar engine: llguidance's view of the %d-token vocabulary built in %.2f s",
+                         self._tokenizer.vocab_size, time.perf_counter() - started)
+            return self._tokenizer
+
+    def prepare_in_background(self) -> None:
+        """Build the tokenizer's view off the first request's path (the coordinator does)."""
+        threading.Thread(target=lambda: self.tokenizer, name="grammar-tokenizer", daemon=True).start()
 
     @staticmethod
     def limits():
@@ -100,6 +112,7 @@ class GrammarCompiler:
 
     def compile(self, constraint: Constraint, param: str = "sampling.constraint") -> Compiled:
         """The request's grammar, checked: InvalidArgument naming what is wrong."""
+        tokenizer = self.tokenizer        # built once: not the request's compile time
         started = time.perf_counter()
         _check_shape(constraint, param)
         fmt, text = constraint.source()
@@ -112,8 +125,7 @@ class GrammarCompiler:
         except (ValueError, RuntimeError) as exc:
             raise InvalidArgument(f"{param}: the {constraint.kind} does not compile: {clip(str(exc), 400)}",
                                   param) from exc
-        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer,
-                                                                       limits=self.limits())
+        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=self.limits())
         if failed:
             raise InvalidArgument(f"{param}: the {constraint.kind} does not compile: "
                                   f"{clip(' '.join(messages), 400)}", param)

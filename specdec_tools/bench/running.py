@@ -133,7 +133,11 @@ def second_turns(runner: ServiceSystems, system: str, question, temperature: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--structured" in argv:   # the structured-outputs bench: its own tasks and systems
+        from specdec_tools.bench import structured
+        return structured.main([a for a in argv if a != "--structured"])
+    args = parse_args(argv)
     torch_thread.set_threads(args.threads)
     pair = PAIRS[args.pair]
     categories = args.categories.split(",") if args.categories else None

@@ -50,6 +50,9 @@ class SourceSpec:
     name: str
     build: Callable[[SourceInputs], DraftSource]   # per request
     help: str = ""
+    # The acceptance its tokens are planned with before any is measured (None: a lookup's,
+    # by how many context tokens back it); learned per source from the rounds after.
+    prior: float | None = None
 
 
 SOURCES: dict[str, SourceSpec] = {}
