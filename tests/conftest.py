@@ -42,6 +42,17 @@ def pytest_configure(config):
         os.environ.update(SLOW_DRAFT_CURVES)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The --slow-draft-curves pass is for what the curves decide: a test that pins γ and
+    its sources (`fixed_policy`) would run the same work again, and is left out of it."""
+    if not config.getoption("--slow-draft-curves"):
+        return
+    kept = [item for item in items if item.get_closest_marker("fixed_policy") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+
+
 @pytest.fixture(scope="session")
 def tiny_target() -> LoadedModel:
     return load_model("tiny-target")

@@ -62,6 +62,7 @@ def by_source(response) -> dict[str, tuple[int, int]]:
     return {s.source: (s.draft_tokens, s.accepted_tokens) for s in response.stats.draft_sources}
 
 
+@pytest.mark.fixed_policy
 @pytest.mark.parametrize("kind", list(CONSTRAINTS))
 def test_greedy_constrained_output_is_target_onlys_and_satisfies_the_constraint(stack, kind):
     drafted = collections.Counter()
@@ -94,6 +95,7 @@ RUNS = 900
 SAMPLED = SamplingConfig(temperature=1.0)
 
 
+@pytest.mark.fixed_policy
 @pytest.mark.parametrize("sources,prompt", [
     (("model",), "Hello, world! Tell me about"),
     (("ngram",), "ab cd ab cd ab cd ab cd ab"),       # the lookups find the constrained text in the prompt
@@ -122,6 +124,9 @@ def test_sampled_constrained_output_follows_the_targets_constrained_distribution
         assert kept < drafted, (drafted, kept)
     assert chi_square_p(first, p1, RUNS) > 1e-3
     assert chi_square_p(pairs, joint, RUNS) > 1e-3
+    # Power: against the target's unconstrained distribution the same samples fail.
+    free_p1, _ = exact_first_two_token_distribution(tiny_target, prompt_ids, SAMPLED)
+    assert chi_square_p(first, free_p1, RUNS) < 1e-6
 
 
 BAD = [
