@@ -34,7 +34,8 @@ class ProposerKind:
 
 KINDS: dict[str, ProposerKind] = {kind.name: kind for kind in (
     ProposerKind("hybrid", names, help="every free source (n-gram lookups in the prompt, the output and recent "
-                                       "outputs), then the drafter where they find nothing or beyond them"),
+                                       "outputs; a structured output's forced tokens), then the drafter where they "
+                                       "find nothing or beyond them"),
     ProposerKind("model", lambda: (MODEL,), help="the drafter alone"),
     ProposerKind("ngram", lambda: ("ngram",), help="the lookups alone, no drafter"),
 )}

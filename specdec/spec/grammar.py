@@ -95,7 +95,11 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 from llguidance.hf import from_tokenizer
                 started = time.perf_counter()
-                self._tokenizer = from_tokenizer(self._hf, eos_token=self._eos)
+                try:
+                    self._tokenizer = from_tokenizer(self._hf, eos_token=self._eos)
+                except ValueError as exc:   # a slow (Python) tokenizer: llguidance reads the fast one's JSON
+                    raise FailedPrecondition(f"structured outputs need a fast tokenizer; this model's is "
+                                             f"{type(self._hf).__name__} ({exc})") from exc
                 log.info("grammar engine: llguidance's view of the %d-token vocabulary built in %.2f s",
                          self._tokenizer.vocab_size, time.perf_counter() - started)
             return self._tokenizer
