@@ -62,7 +62,7 @@ def by_source(response) -> dict[str, tuple[int, int]]:
     return {s.source: (s.draft_tokens, s.accepted_tokens) for s in response.stats.draft_sources}
 
 
-@pytest.mark.fixed_policy
+@pytest.mark.fixed_policy     # γ pinned, one client: no curve decides anything (conftest)
 @pytest.mark.parametrize("kind", list(CONSTRAINTS))
 def test_greedy_constrained_output_is_target_onlys_and_satisfies_the_constraint(stack, kind):
     drafted = collections.Counter()
