@@ -159,7 +159,7 @@ class GrammarCompiler:
         """A session's matcher over its sequence's tokens from `start` (the output's first position)."""
         matcher = self.matcher(grammar)
         if matcher.is_error():
-            raise FailedPrecondition(f"the session's grammar does not compile here: {clip(matcher.get_error(), 400)}")
+            raise FailedPrecondition(f"the session's grammar does not compile here: {_first_line(matcher.get_error())}")
         return GrammarCursor(matcher, start, fingerprint(grammar))
 
 
@@ -208,8 +208,6 @@ class GrammarCursor:
         self.start = start              # the output's first position in the session's sequence
         self.fingerprint = fingerprint
         self.consumed: list[int] = []
-        self.mask_s = 0.0               # time spent in masks, for the stats
-        self.masks = 0
 
     def check(self, constraint_fingerprint: str) -> None:
         if constraint_fingerprint != self.fingerprint:
@@ -235,12 +233,7 @@ class GrammarCursor:
         self.consumed.append(token)
 
     def mask(self) -> bytes:
-        started = time.perf_counter()
-        try:
-            return self.matcher.compute_bitmask()
-        finally:
-            self.mask_s += time.perf_counter() - started
-            self.masks += 1
+        return self.matcher.compute_bitmask()
 
     def row_masks(self, row_tokens: Sequence[int], rows: int) -> list[bytes | None]:
         """[rows] the mask of each row: row 0 at the current state, row i + 1 after
